@@ -1,0 +1,341 @@
+#!/usr/bin/env python3
+"""Build ggml from the pinned source distribution and compile the cffi bindings against it.
+
+Steps (each skipped when its output is already up to date):
+  1. source:  pip downloads the sdist pinned in vendor/ggml-source.json, checks its sha256, extracts it
+              under build/src/ (or --source DIR uses a llama.cpp tree already on disk);
+  2. ggml:    CMake configures the llama.cpp root with everything but ggml switched off and builds the
+              `ggml` target as shared libraries, copied to ollama_engine/ggml/lib/;
+  3. cffi:    the declarations of ggml.h, ggml-alloc.h, ggml-backend.h, ggml-cpu.h and gguf.h are taken
+              from the preprocessed headers and compiled in cffi API mode, so the C compiler checks every
+              one of them against the real headers.
+
+A second run with nothing changed only compares a stamp file and returns in well under a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+BUILD = Path(os.environ.get("OLLAMA_ENGINE_BUILD_DIR", ROOT / "build"))
+PIN_FILE = ROOT / "vendor" / "ggml-source.json"
+PACKAGE_DIR = ROOT / "ollama_engine" / "ggml"
+LIB_DIR = PACKAGE_DIR / "lib"
+STAMP = BUILD / "build-stamp.json"
+SOURCE_MARKER = BUILD / "source-path.txt"
+MODULE = "_ggml_cffi"
+HEADERS = ["ggml.h", "ggml-alloc.h", "ggml-backend.h", "ggml-cpu.h", "gguf.h"]
+LLAMA_OFF = [
+    "LLAMA_BUILD_TESTS",
+    "LLAMA_BUILD_EXAMPLES",
+    "LLAMA_BUILD_TOOLS",
+    "LLAMA_BUILD_SERVER",
+    "LLAMA_BUILD_COMMON",
+    "LLAMA_CURL",
+    "LLAMA_OPENSSL",
+]
+
+
+class BuildError(RuntimeError):
+    """A build step failed; the message says which one and what to do."""
+
+
+def step(message: str) -> None:
+    print(f"[build_ggml] {message}", flush=True)
+
+
+# ---------------------------------------------------------------- source
+
+
+def read_pin() -> dict:
+    return json.loads(PIN_FILE.read_text())
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fetch_source(pin: dict) -> Path:
+    """Download (with pip) and extract the pinned sdist; return the llama.cpp root inside it."""
+    tree = BUILD / "src" / pin["llama_cpp_dir"]
+    sdist = BUILD / pin["sdist"]
+    if tree.joinpath("ggml", "include", "ggml.h").exists() and sdist.exists():
+        return tree
+    BUILD.mkdir(parents=True, exist_ok=True)
+    if not sdist.exists():
+        step(f"downloading {pin['package']}=={pin['version']} (source distribution) with pip")
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+               "--no-build-isolation", f"{pin['package']}=={pin['version']}", "-d", str(BUILD)]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0 or not sdist.exists():
+            # --no-build-isolation needs the sdist's build backend; retry with pip's isolation.
+            cmd.remove("--no-build-isolation")
+            result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0 or not sdist.exists():
+            raise BuildError(f"pip could not download {pin['sdist']}:\n{result.stderr[-2000:]}")
+    actual = sha256_of(sdist)
+    if actual != pin["sha256"]:
+        sdist.unlink()
+        raise BuildError(f"{pin['sdist']} has sha256 {actual}, expected {pin['sha256']} (vendor/ggml-source.json); "
+                         "refusing to build from it (the file was deleted)")
+    step(f"extracting {pin['sdist']} (sha256 verified)")
+    target = BUILD / "src"
+    if target.exists():
+        shutil.rmtree(target)
+    with tarfile.open(sdist) as archive:
+        archive.extractall(target, filter="data")
+    if not tree.joinpath("ggml", "include", "ggml.h").exists():
+        raise BuildError(f"{pin['sdist']} has no {pin['llama_cpp_dir']}/ggml/include/ggml.h")
+    return tree
+
+
+# ---------------------------------------------------------------- ggml (CMake)
+
+
+def require_tool(name: str, why: str) -> str:
+    path = shutil.which(name)
+    if not path:
+        raise BuildError(f"'{name}' was not found on PATH; {why}")
+    return path
+
+
+def cuda_architectures(explicit: str | None) -> str:
+    """The visible GPU's compute capability (e.g. '90' for an H100), unless given."""
+    if explicit:
+        return explicit
+    if shutil.which("nvidia-smi"):
+        out = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+                             capture_output=True, text=True)
+        caps = sorted({line.strip().replace(".", "") for line in out.stdout.splitlines() if line.strip()})
+        if out.returncode == 0 and caps:
+            return ";".join(caps)
+    return "native"
+
+
+def cmake_options(args: argparse.Namespace) -> list[str]:
+    options = [
+        "-DCMAKE_BUILD_TYPE=Release",
+        "-DBUILD_SHARED_LIBS=ON",
+        "-DGGML_NATIVE=" + ("OFF" if args.portable else "ON"),
+        "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON",
+        "-DCMAKE_INSTALL_RPATH=$ORIGIN",
+    ] + [f"-D{name}=OFF" for name in LLAMA_OFF]
+    if args.cuda:
+        options += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={cuda_architectures(args.cuda_arch)}"]
+    if args.vulkan:
+        options.append("-DGGML_VULKAN=ON")
+    return options + list(args.cmake_arg)
+
+
+def run_logged(cmd: list[str], log: Path, show_progress: bool) -> None:
+    """Run a command, keep its whole output in a log, show only the progress lines."""
+    with log.open("w") as sink:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sink.write(line)
+            if show_progress and re.match(r"\[\s*\d+%\]", line):
+                print("  " + line.rstrip()[:120], flush=True)
+        proc.wait()
+    if proc.returncode != 0:
+        tail = "".join(log.read_text().splitlines(keepends=True)[-40:])
+        raise BuildError(f"{' '.join(cmd[:3])} failed (full log: {log}):\n{tail}")
+
+
+def build_ggml(tree: Path, args: argparse.Namespace) -> list[str]:
+    """Configure and build the ggml target; copy the shared libraries; return their link names."""
+    require_tool("cmake", "install CMake >= 3.14 (e.g. `apt-get install cmake` or `pip install cmake`)")
+    if not (shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")):
+        raise BuildError("no C/C++ compiler found; install one (e.g. `apt-get install build-essential`)")
+    if args.cuda:
+        require_tool("nvcc", "the CUDA toolkit is needed for --cuda (or put its bin/ folder on PATH)")
+    build_dir = BUILD / ("ggml-cuda" if args.cuda else "ggml-cpu")
+    build_dir.mkdir(parents=True, exist_ok=True)
+    step(f"configuring ggml with CMake in {build_dir}")
+    run_logged(["cmake", "-S", str(tree), "-B", str(build_dir)] + cmake_options(args),
+               build_dir / "configure.log", show_progress=False)
+    step(f"compiling ggml on {args.jobs} cores (log: {build_dir / 'build.log'})")
+    run_logged(["cmake", "--build", str(build_dir), "--target", "ggml", "-j", str(args.jobs)],
+               build_dir / "build.log", show_progress=True)
+    built = sorted(build_dir.joinpath("bin").glob("libggml*.so*"))
+    if not built:
+        raise BuildError(f"the build produced no libggml*.so in {build_dir / 'bin'}")
+    if LIB_DIR.exists():
+        shutil.rmtree(LIB_DIR)
+    LIB_DIR.mkdir(parents=True)
+    for lib in built:
+        shutil.copy2(lib, LIB_DIR / lib.name, follow_symlinks=False)
+    return sorted({lib.name[3:].split(".so")[0] for lib in built})
+
+
+# ---------------------------------------------------------------- cffi bindings
+
+
+def exported_symbols() -> Callable[[str], bool]:
+    """Whether the built libraries define a symbol (some headers declare functions no library defines)."""
+    import ctypes
+
+    handles = [ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL) for lib in sorted(LIB_DIR.glob("libggml*.so"))]
+    return lambda name: any(hasattr(handle, name) for handle in handles)
+
+
+def drop_undefined_functions(source: str, is_exported: Callable[[str], bool]) -> str:
+    """Remove top-level function declarations whose symbol no library exports (cffi would fail to link)."""
+    statements, depth, start = [], 0, 0
+    for i, char in enumerate(source):
+        depth += char in "{("
+        depth -= char in "})"
+        if char == ";" and depth == 0:
+            statements.append(source[start : i + 1])
+            start = i + 1
+    kept = []
+    for statement in statements:
+        text = " ".join(statement.split())
+        call = re.match(r"(?:extern )?[\w\s\*]*?(\w+)\s*\(", text)
+        is_function = call and not re.match(r"(typedef|struct \w+ \{|enum|union)", text) and "{" not in text
+        if is_function and not is_exported(call.group(1)):
+            continue
+        kept.append(statement)
+    return "".join(kept)
+
+
+def header_declarations(include_dir: Path, is_exported: Callable[[str], bool]) -> str:
+    """The C declarations of our headers, preprocessed, without system headers, in cffi's cdef dialect."""
+    compiler = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not compiler:
+        raise BuildError("no C compiler found for preprocessing the ggml headers")
+    umbrella = "".join(f'#include "{h}"\n' for h in HEADERS)
+    result = subprocess.run([compiler, "-E", "-I", str(include_dir), "-D__attribute__(x)=", "-"],
+                            input=umbrella, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise BuildError(f"preprocessing the ggml headers failed:\n{result.stderr[-2000:]}")
+    kept, keep = [], False
+    for line in result.stdout.splitlines():
+        marker = re.match(r'# \d+ "([^"]+)"', line)
+        if marker:
+            keep = Path(marker.group(1)).name in HEADERS
+            continue
+        if keep:
+            kept.append(line)
+    source = "\n".join(kept)
+    source = source.replace("sizeof(int32_t)", "4")
+    source = re.sub(r"\[([0-9 */+-]+)\]", lambda m: f"[{int(eval(m.group(1)))}]", source)  # noqa: S307
+    source = re.sub(r"^\s*static const [^;]*;\s*$", "", source, flags=re.M)
+    seen: set[str] = set()
+    lines = []
+    for line in source.splitlines():  # the headers repeat some opaque typedefs
+        text = line.strip()
+        if text.startswith("typedef") and text.endswith(";") and "(" not in text:
+            if text in seen:
+                continue
+            seen.add(text)
+        lines.append(line)
+    return "typedef struct _IO_FILE FILE;\n" + drop_undefined_functions("\n".join(lines), is_exported)
+
+
+def compile_bindings(tree: Path, libraries: list[str]) -> None:
+    import cffi
+
+    include_dir = tree / "ggml" / "include"
+    ffi = cffi.FFI()
+    ffi.cdef(header_declarations(include_dir, exported_symbols()))
+    ffi.set_source(
+        f"ollama_engine.ggml.{MODULE}",
+        "".join(f'#include "{h}"\n' for h in HEADERS),
+        include_dirs=[str(include_dir)],
+        library_dirs=[str(LIB_DIR)],
+        libraries=libraries,
+        extra_compile_args=["-Wno-deprecated-declarations"],
+        extra_link_args=["-Wl,-rpath,$ORIGIN/lib", "-Wl,--disable-new-dtags"],
+    )
+    step("compiling the cffi extension (API mode)")
+    work = BUILD / "cffi"
+    work.mkdir(parents=True, exist_ok=True)
+    built = Path(ffi.compile(tmpdir=str(work), verbose=False))
+    for old in PACKAGE_DIR.glob(f"{MODULE}*.so"):
+        old.unlink()
+    shutil.copy2(built, PACKAGE_DIR / built.name)
+
+
+# ---------------------------------------------------------------- driver
+
+
+def fingerprint(args: argparse.Namespace, tree: Path) -> dict:
+    return {
+        "pin": read_pin(),
+        "source": str(tree),
+        "script": sha256_of(Path(__file__)),
+        "options": {"cuda": args.cuda, "cuda_arch": args.cuda_arch, "vulkan": args.vulkan,
+                    "portable": args.portable, "cmake_arg": args.cmake_arg},
+        "python": sys.version,
+    }
+
+
+def up_to_date(expected: dict) -> bool:
+    if not STAMP.exists() or not list(PACKAGE_DIR.glob(f"{MODULE}*.so")) or not LIB_DIR.exists():
+        return False
+    try:
+        return json.loads(STAMP.read_text()) == expected
+    except json.JSONDecodeError:
+        return False
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--source", type=Path, help="build from this llama.cpp tree instead of downloading")
+    parser.add_argument("--cuda", action="store_true", help="build the CUDA backend (needs nvcc)")
+    parser.add_argument("--cuda-arch", help="CMAKE_CUDA_ARCHITECTURES (default: the visible GPU's)")
+    parser.add_argument("--vulkan", action="store_true", help="build the Vulkan backend")
+    parser.add_argument("--portable", action="store_true", help="no -march=native (GGML_NATIVE=OFF)")
+    parser.add_argument("--cmake-arg", action="append", default=[], help="extra CMake flag, e.g. -DGGML_AVX512=OFF")
+    parser.add_argument("--jobs", "-j", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--force", action="store_true", help="rebuild even when up to date")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.monotonic()
+    try:
+        if args.source:
+            tree = args.source.resolve()
+            if not tree.joinpath("ggml", "include", "ggml.h").exists():
+                raise BuildError(f"{tree} is not a llama.cpp tree (no ggml/include/ggml.h)")
+        else:
+            tree = BUILD / "src" / read_pin()["llama_cpp_dir"]
+        expected = fingerprint(args, tree)
+        if not args.force and up_to_date(expected):
+            step("up to date")
+            return 0
+        if not args.source:
+            tree = fetch_source(read_pin())
+        libraries = build_ggml(tree, args)
+        compile_bindings(tree, libraries)
+        BUILD.mkdir(parents=True, exist_ok=True)
+        SOURCE_MARKER.write_text(str(tree))
+        STAMP.write_text(json.dumps(expected, indent=1))
+    except BuildError as err:
+        print(f"[build_ggml] error: {err}", file=sys.stderr)
+        return 1
+    step(f"done in {time.monotonic() - started:.0f} s; libraries in {LIB_DIR}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""attention(): scaled dot-product attention over the cache, the one call model layers make.
+
+It stores the batch's keys and values in the cache, reads back the history and mask, and runs either
+ggml's fused flash attention (when the backend enables it) or matmul, softmax and matmul.
+"""
+
+from __future__ import annotations
+
+from ollama_engine.ml import Context, DType, ShapeError, Tensor
+
+from .cache import Cache
+
+
+def attention(
+    ctx: Context, query: Tensor, key: Tensor | None, value: Tensor | None, scale: float, cache: Cache | None = None
+) -> Tensor:
+    """query (head_dim, heads, n), key/value (head_dim, kv_heads, n) -> (v_head_dim, heads, n).
+
+    With a cache, key and value join the history first (None: the cache already holds them, as for
+    cross-attention states); without one, they are the whole history and nothing is masked.
+    """
+    if key is not None and value is not None:
+        if query.ne[0] != key.ne[0] or key.ne[1] != value.ne[1] or key.ne[2] != value.ne[2]:
+            raise ShapeError(f"attention: query {query.shape}, key {key.shape}, value {value.shape}")
+    mask = None
+    permuted_v = False
+    if cache is not None:
+        if key is not None and value is not None:
+            cache.put(ctx, key, value)
+        key, value, mask = cache.get(ctx)
+        permuted_v = cache.config.permuted_v
+    elif key is None or value is None:
+        raise ValueError("attention without a cache needs the key and the value")
+
+    q = query.permute(0, 2, 1, 3)  # (head_dim, n, heads)
+    k = key.permute(0, 2, 1, 3)  # (head_dim, history, kv_heads)
+    if ctx.backend.flash_attention:
+        if permuted_v:
+            raise ValueError("flash attention needs a cache that stores V untransposed (permuted_v=False)")
+        if mask is not None and mask.dtype != DType.F16:
+            mask = mask.cast(DType.F16)
+        return q.flash_attention(k, value.permute(0, 2, 1, 3), mask, scale)
+
+    if not permuted_v:
+        value = value.permute(1, 2, 0, 3).contiguous()  # (history, v_head_dim, kv_heads)
+    scores = k.matmul_full_precision(q).softmax(mask, scale)  # (history, n, heads)
+    return value.matmul(scores).permute(0, 2, 1, 3).contiguous()

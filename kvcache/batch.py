@@ -1,0 +1,52 @@
+"""Batch: the tokens of one forward pass, as the runner forms it and the cache and model read it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+def _int_vector(name: str, values: object) -> np.ndarray:
+    array = np.ascontiguousarray(values, dtype=np.int32)
+    if array.ndim != 1:
+        raise ValueError(f"batch {name} must be a 1-D sequence of integers, got shape {array.shape}")
+    return array
+
+
+@dataclass(frozen=True, eq=False)
+class Batch:
+    """One entry per token: its position in its sequence and the sequence (slot) it belongs to.
+
+    `outputs` lists the batch indices whose hidden states the caller needs (logits or embeddings), so
+    the model can drop the other rows before the output layer. `tokens` holds the token ids; it is None
+    where the caller feeds the model (or the cache, in tests) something other than tokens.
+    Every array is int32, one dimension.
+    """
+
+    positions: np.ndarray
+    sequences: np.ndarray
+    outputs: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    tokens: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        positions = _int_vector("positions", self.positions)
+        sequences = _int_vector("sequences", self.sequences)
+        outputs = _int_vector("outputs", self.outputs)
+        if len(positions) != len(sequences):
+            raise ValueError(f"batch has {len(positions)} positions but {len(sequences)} sequences")
+        if np.any(positions < 0) or np.any(sequences < 0):
+            raise ValueError("batch positions and sequences must be non-negative")
+        if np.any((outputs < 0) | (outputs >= len(positions))):
+            raise ValueError(f"batch outputs {outputs.tolist()} outside 0..{len(positions) - 1}")
+        object.__setattr__(self, "positions", positions)
+        object.__setattr__(self, "sequences", sequences)
+        object.__setattr__(self, "outputs", outputs)
+        if self.tokens is not None:
+            tokens = _int_vector("tokens", self.tokens)
+            if len(tokens) != len(positions):
+                raise ValueError(f"batch has {len(tokens)} tokens but {len(positions)} positions")
+            object.__setattr__(self, "tokens", tokens)
+
+    def __len__(self) -> int:
+        return len(self.positions)

@@ -1,0 +1,429 @@
+"""Synthetic GGUF models: random weights, a real tokenizer, llama.cpp's tensor names and keys.
+
+They make every architecture testable and benchmarkable without downloads. Tokenizer keys are copied
+verbatim from one of llama.cpp's vocab-only files (models/ggml-vocab-<name>.gguf). Weights are
+normal(0, 1/sqrt(fan_in)) so each layer's outputs keep roughly unit variance and logits are spread
+(logits-parity tests need clear winners, not near-ties); norms are near 1.0, biases small. Norms,
+biases and rope_freqs stay F32 as llama.cpp's converters leave them; every matrix, token_embd
+included, gets the requested weight type. Each tensor draws from its own generator seeded by
+(seed, name), so a tensor's values do not depend on which other tensors the file has.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+from gguf import GGML_QUANT_SIZES, MODEL_TENSOR, TENSOR_NAMES, GGMLQuantizationType, GGUFValueType
+
+from ollama_engine import paths
+from ollama_engine.fs.gguf_file import GGUFFile
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "bert")
+_ROPE_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+WEIGHT_TYPES = {
+    "F32": (GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
+    "F16": (GGMLQuantizationType.F16, gguf.LlamaFileType.MOSTLY_F16),
+    "Q8_0": (GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
+    "Q4_0": (GGMLQuantizationType.Q4_0, gguf.LlamaFileType.MOSTLY_Q4_0),
+    "Q4_K": (GGMLQuantizationType.Q4_K, gguf.LlamaFileType.MOSTLY_Q4_K_M),
+}
+
+_CHUNK_ELEMENTS = 1 << 24  # large matrices are generated and quantized this many elements at a time
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shapes and options of a synthetic model. head_dim None means n_embd // n_head."""
+
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    n_ff: int
+    vocab: str  # llama.cpp vocab file: models/ggml-vocab-<vocab>.gguf
+    head_dim: int | None = None
+    n_vocab: int | None = None  # None: the tokenizer's size; larger: pad with unused tokens
+    context_length: int = 2048
+    rope_base: float = 10000.0
+    eps: float = 1e-5
+    tied_embeddings: bool = True
+    rope_freqs: bool = False  # Llama-3 style per-frequency rope factors
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    name: str = "synthetic"
+
+    @property
+    def n_rot(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.n_embd // self.n_head
+
+
+PRESETS: dict[str, ModelSpec] = {
+    "tiny-llama": ModelSpec(
+        arch="llama",
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        n_head_kv=2,
+        n_ff=128,
+        vocab="llama-spm",
+        context_length=512,
+        tied_embeddings=False,
+        rope_freqs=True,
+        name="tiny-llama",
+    ),
+    "tiny-qwen2": ModelSpec(
+        arch="qwen2",
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        n_head_kv=2,
+        n_ff=128,
+        vocab="qwen2",
+        context_length=512,
+        rope_base=1000000.0,
+        eps=1e-6,
+        qkv_bias=True,
+        name="tiny-qwen2",
+    ),
+    "tiny-qwen3": ModelSpec(
+        arch="qwen3",
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        n_head_kv=2,
+        n_ff=128,
+        vocab="qwen2",
+        head_dim=32,
+        context_length=512,
+        rope_base=1000000.0,
+        eps=1e-6,
+        qk_norm=True,
+        name="tiny-qwen3",
+    ),
+    "tiny-bert": ModelSpec(
+        arch="bert",
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        n_head_kv=4,
+        n_ff=128,
+        vocab="bert-bge",
+        context_length=512,
+        eps=1e-12,
+        name="tiny-bert",
+    ),
+    "smollm2-135m": ModelSpec(
+        arch="llama",
+        n_layer=30,
+        n_embd=576,
+        n_head=9,
+        n_head_kv=3,
+        n_ff=1536,
+        vocab="gpt-2",
+        context_length=8192,
+        rope_base=100000.0,
+        name="smollm2-135m",
+    ),
+    "llama-3.2-1b": ModelSpec(
+        arch="llama",
+        n_layer=16,
+        n_embd=2048,
+        n_head=32,
+        n_head_kv=8,
+        n_ff=8192,
+        vocab="llama-bpe",
+        context_length=131072,
+        rope_base=500000.0,
+        rope_freqs=True,
+        name="llama-3.2-1b",
+    ),
+}
+
+
+def resolve_spec(arch_or_preset: str, **overrides: Any) -> ModelSpec:
+    """A preset by name, or an architecture name for its tiny preset, with fields replaced."""
+    name = f"tiny-{arch_or_preset}" if arch_or_preset in ARCHITECTURES else arch_or_preset
+    if name not in PRESETS:
+        raise ValueError(
+            f"unknown synthetic model {arch_or_preset!r}: choose an architecture {ARCHITECTURES} "
+            f"or a preset {tuple(PRESETS)}"
+        )
+    fields = {f.name for f in dataclasses.fields(ModelSpec)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(f"unknown synthetic model option(s) {unknown}: valid options are {sorted(fields)}")
+    spec = dataclasses.replace(PRESETS[name], **overrides)
+    _check(spec)
+    return spec
+
+
+def write_synthetic(
+    path: str | os.PathLike[str],
+    arch_or_preset: str,
+    *,
+    weight_type: str = "F32",
+    seed: int = 0,
+    vocab: str | None = None,
+    **overrides: Any,
+) -> Path:
+    """Write a synthetic model to `path` (atomically) and return the path.
+
+    `vocab` names a llama.cpp vocab file (default: the preset's); `overrides` replace ModelSpec fields.
+    """
+    if weight_type not in WEIGHT_TYPES:
+        raise ValueError(f"unknown weight type {weight_type!r}: choose one of {tuple(WEIGHT_TYPES)}")
+    if vocab is not None:
+        overrides["vocab"] = vocab
+    spec = resolve_spec(arch_or_preset, **overrides)
+    qtype, file_type = WEIGHT_TYPES[weight_type]
+    tokenizer = _tokenizer_values(spec)
+    n_vocab = len(tokenizer["tokenizer.ggml.tokens"][0])
+    tensors = list(_tensor_plan(spec, n_vocab, qtype))
+
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial")
+    try:
+        with contextlib.closing(gguf.GGUFWriter(partial, spec.arch)) as writer:
+            _add_hparams(writer, spec, n_vocab, file_type)
+            for key, (value, vtype, etype) in tokenizer.items():
+                writer.add_key_value(key, value, vtype, etype)
+            for t in tensors:
+                shape = t.shape[::-1]  # numpy order; the writer stores it reversed
+                writer.add_tensor_info(t.name, shape, np.dtype(np.float32), t.n_bytes, raw_dtype=t.qtype)
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            for t in tensors:  # one tensor in memory at a time
+                writer.write_tensor_data(_generate(t, spec, seed))
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    os.replace(partial, path)
+    return path
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    name: str
+    shape: tuple[int, ...]  # ggml order (ne0 first)
+    kind: str  # "matrix", "norm", "bias" or "rope_freqs"
+    qtype: GGMLQuantizationType
+
+    @property
+    def n_bytes(self) -> int:
+        block_size, type_size = GGML_QUANT_SIZES[self.qtype]
+        return math.prod(self.shape) // block_size * type_size
+
+
+def _check(spec: ModelSpec) -> None:
+    if spec.arch not in ARCHITECTURES:
+        raise ValueError(f"unsupported synthetic architecture {spec.arch!r}: choose one of {ARCHITECTURES}")
+    if min(spec.n_layer, spec.n_embd, spec.n_head, spec.n_head_kv, spec.n_ff, spec.n_rot) < 1:
+        raise ValueError(f"{spec.name}: sizes must be positive: {spec}")
+    if spec.n_head % spec.n_head_kv:
+        raise ValueError(f"{spec.name}: n_head {spec.n_head} is not a multiple of n_head_kv {spec.n_head_kv}")
+    if spec.arch in _ROPE_ARCHITECTURES and spec.n_rot % 2:
+        raise ValueError(f"{spec.name}: head_dim {spec.n_rot} must be even for RoPE")
+    if spec.arch in ("qwen2", "bert") and spec.n_rot * spec.n_head != spec.n_embd:
+        raise ValueError(f"{spec.name}: {spec.arch} needs head_dim * n_head == n_embd")
+    if spec.arch == "bert" and spec.n_head_kv != spec.n_head:
+        raise ValueError(f"{spec.name}: bert needs n_head_kv == n_head")
+
+
+def _tensor_plan(spec: ModelSpec, n_vocab: int, qtype: GGMLQuantizationType) -> Iterator[_Tensor]:
+    """Every tensor llama.cpp loads for the architecture, with its ggml shape."""
+    f32 = GGMLQuantizationType.F32
+
+    def tensor(key: MODEL_TENSOR, suffix: str, shape: tuple[int, ...], kind: str, bid: int = 0) -> _Tensor:
+        name = TENSOR_NAMES[key].format(bid=bid) + "." + suffix
+        if kind != "matrix":
+            return _Tensor(name, shape, kind, f32)
+        block_size = GGML_QUANT_SIZES[qtype][0]
+        if shape[0] % block_size:
+            raise ValueError(
+                f"{spec.name}: {name} has rows of {shape[0]}, not a multiple of the {qtype.name} block "
+                f"size {block_size}; choose sizes that are"
+            )
+        return _Tensor(name, shape, kind, qtype)
+
+    n_embd, n_ff = spec.n_embd, spec.n_ff
+    n_q, n_kv = spec.n_head * spec.n_rot, spec.n_head_kv * spec.n_rot
+    yield tensor(MODEL_TENSOR.TOKEN_EMBD, "weight", (n_embd, n_vocab), "matrix")
+
+    if spec.arch == "bert":
+        yield tensor(MODEL_TENSOR.TOKEN_TYPES, "weight", (n_embd, 2), "matrix")
+        yield tensor(MODEL_TENSOR.POS_EMBD, "weight", (n_embd, spec.context_length), "matrix")
+        yield tensor(MODEL_TENSOR.TOKEN_EMBD_NORM, "weight", (n_embd,), "norm")
+        yield tensor(MODEL_TENSOR.TOKEN_EMBD_NORM, "bias", (n_embd,), "bias")
+        for i in range(spec.n_layer):
+            for key, shape in (
+                (MODEL_TENSOR.ATTN_Q, (n_embd, n_q)),
+                (MODEL_TENSOR.ATTN_K, (n_embd, n_kv)),
+                (MODEL_TENSOR.ATTN_V, (n_embd, n_kv)),
+                (MODEL_TENSOR.ATTN_OUT, (n_q, n_embd)),
+            ):
+                yield tensor(key, "weight", shape, "matrix", i)
+                yield tensor(key, "bias", shape[1:], "bias", i)
+            yield tensor(MODEL_TENSOR.ATTN_OUT_NORM, "weight", (n_embd,), "norm", i)
+            yield tensor(MODEL_TENSOR.ATTN_OUT_NORM, "bias", (n_embd,), "bias", i)
+            yield tensor(MODEL_TENSOR.FFN_UP, "weight", (n_embd, n_ff), "matrix", i)
+            yield tensor(MODEL_TENSOR.FFN_UP, "bias", (n_ff,), "bias", i)
+            yield tensor(MODEL_TENSOR.FFN_DOWN, "weight", (n_ff, n_embd), "matrix", i)
+            yield tensor(MODEL_TENSOR.FFN_DOWN, "bias", (n_embd,), "bias", i)
+            yield tensor(MODEL_TENSOR.LAYER_OUT_NORM, "weight", (n_embd,), "norm", i)
+            yield tensor(MODEL_TENSOR.LAYER_OUT_NORM, "bias", (n_embd,), "bias", i)
+        return
+
+    yield tensor(MODEL_TENSOR.OUTPUT_NORM, "weight", (n_embd,), "norm")
+    if not spec.tied_embeddings:
+        yield tensor(MODEL_TENSOR.OUTPUT, "weight", (n_embd, n_vocab), "matrix")
+    if spec.rope_freqs:
+        yield tensor(MODEL_TENSOR.ROPE_FREQS, "weight", (spec.n_rot // 2,), "rope_freqs")
+    for i in range(spec.n_layer):
+        yield tensor(MODEL_TENSOR.ATTN_NORM, "weight", (n_embd,), "norm", i)
+        for key, shape in (
+            (MODEL_TENSOR.ATTN_Q, (n_embd, n_q)),
+            (MODEL_TENSOR.ATTN_K, (n_embd, n_kv)),
+            (MODEL_TENSOR.ATTN_V, (n_embd, n_kv)),
+        ):
+            yield tensor(key, "weight", shape, "matrix", i)
+            if spec.qkv_bias:
+                yield tensor(key, "bias", shape[1:], "bias", i)
+        if spec.qk_norm:
+            yield tensor(MODEL_TENSOR.ATTN_Q_NORM, "weight", (spec.n_rot,), "norm", i)
+            yield tensor(MODEL_TENSOR.ATTN_K_NORM, "weight", (spec.n_rot,), "norm", i)
+        yield tensor(MODEL_TENSOR.ATTN_OUT, "weight", (n_q, n_embd), "matrix", i)
+        yield tensor(MODEL_TENSOR.FFN_NORM, "weight", (n_embd,), "norm", i)
+        yield tensor(MODEL_TENSOR.FFN_GATE, "weight", (n_embd, n_ff), "matrix", i)
+        yield tensor(MODEL_TENSOR.FFN_DOWN, "weight", (n_ff, n_embd), "matrix", i)
+        yield tensor(MODEL_TENSOR.FFN_UP, "weight", (n_embd, n_ff), "matrix", i)
+
+
+def _add_hparams(writer: gguf.GGUFWriter, spec: ModelSpec, n_vocab: int, file_type: int) -> None:
+    """The keys llama.cpp's converters write for the architecture."""
+    writer.add_name(spec.name)
+    writer.add_file_type(file_type)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    writer.add_context_length(spec.context_length)
+    writer.add_embedding_length(spec.n_embd)
+    writer.add_block_count(spec.n_layer)
+    writer.add_feed_forward_length(spec.n_ff)
+    writer.add_head_count(spec.n_head)
+    writer.add_head_count_kv(spec.n_head_kv)
+    writer.add_vocab_size(n_vocab)
+    if spec.arch == "bert":
+        writer.add_layer_norm_eps(spec.eps)
+        writer.add_causal_attention(False)
+        writer.add_pooling_type(gguf.PoolingType.CLS)
+        return
+    writer.add_layer_norm_rms_eps(spec.eps)
+    writer.add_rope_freq_base(spec.rope_base)
+    writer.add_rope_dimension_count(spec.n_rot)
+    if spec.n_rot != spec.n_embd // spec.n_head:
+        writer.add_key_length(spec.n_rot)
+        writer.add_value_length(spec.n_rot)
+
+
+def _tokenizer_values(spec: ModelSpec) -> dict[str, tuple[Any, GGUFValueType, GGUFValueType | None]]:
+    """tokenizer.* keys of the vocab file with their GGUF types, padded to spec.n_vocab tokens."""
+    vocab_path = paths.vocab_dir() / f"ggml-vocab-{spec.vocab}.gguf"
+    if not vocab_path.exists():
+        available = sorted(
+            p.name[len("ggml-vocab-") : -len(".gguf")] for p in paths.vocab_dir().glob("ggml-vocab-*.gguf")
+        )
+        raise ValueError(f"no llama.cpp vocab {spec.vocab!r} ({vocab_path}); available: {available}")
+    source = GGUFFile.open(vocab_path)
+    values = {
+        key: (value, *source.value_types[key])
+        for key, value in source.metadata.items()
+        if key.startswith("tokenizer.")
+    }
+    if spec.arch == "bert" and "tokenizer.ggml.token_type_count" not in values:
+        values["tokenizer.ggml.token_type_count"] = (2, GGUFValueType.UINT32, None)
+
+    n_tokens = len(values["tokenizer.ggml.tokens"][0])
+    n_vocab = spec.n_vocab if spec.n_vocab is not None else n_tokens
+    if n_vocab < n_tokens:
+        raise ValueError(
+            f"{spec.name}: n_vocab {n_vocab} is smaller than the {spec.vocab} vocab ({n_tokens})"
+        )
+    n_pad = n_vocab - n_tokens
+    padding = {
+        "tokenizer.ggml.tokens": [f"[PAD{i}]" for i in range(n_tokens, n_vocab)],
+        "tokenizer.ggml.token_type": [int(gguf.TokenType.UNUSED)] * n_pad,
+        "tokenizer.ggml.scores": [0.0] * n_pad,
+    }
+    for key, extra in padding.items():
+        if n_pad and key in values:
+            value, vtype, etype = values[key]
+            values[key] = (value + extra, vtype, etype)
+    return values
+
+
+def _generate(t: _Tensor, spec: ModelSpec, seed: int) -> np.ndarray:
+    """The tensor's data, encoded in its type, as the array GGUFWriter writes."""
+    if t.kind == "rope_freqs":
+        return _llama3_rope_factors(spec)
+    rng = np.random.default_rng([seed, zlib.crc32(t.name.encode())])
+    if t.kind == "norm":
+        return (1.0 + 0.1 * rng.standard_normal(t.shape, dtype=np.float32)).astype(np.float32)
+    if t.kind == "bias":
+        return 0.1 * rng.standard_normal(t.shape, dtype=np.float32)
+
+    cols, rows = t.shape[0], math.prod(t.shape[1:])
+    scale = np.float32(1.0 / math.sqrt(cols))
+    out: np.ndarray | None = None
+    step = max(1, _CHUNK_ELEMENTS // cols)
+    for start in range(0, rows, step):
+        n = min(step, rows - start)
+        chunk = _encode(rng.standard_normal((n, cols), dtype=np.float32) * scale, t.qtype)
+        if out is None:
+            out = np.empty((rows, chunk.shape[1]), dtype=chunk.dtype)
+        out[start : start + n] = chunk
+    assert out is not None
+    return out
+
+
+def _encode(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    if qtype == GGMLQuantizationType.F32:
+        return data
+    if qtype == GGMLQuantizationType.F16:
+        return data.astype(np.float16)
+    if qtype == GGMLQuantizationType.Q4_K:
+        # gguf.quants has no Q4_K quantizer: use ggml's own (lazy: the bindings may not be built).
+        from ollama_engine.ggml import quantize
+
+        return quantize(int(qtype), data).reshape(data.shape[0], -1)
+    return gguf.quants.quantize(data, qtype)
+
+
+def _llama3_rope_factors(spec: ModelSpec) -> np.ndarray:
+    """Llama 3.1/3.2 rope scaling (factor 32, low 1, high 4, original context 8192), as the converter."""
+    factor, low_freq_factor, high_freq_factor, old_context = 32.0, 1.0, 4.0, 8192
+    low_freq_wavelen = old_context / low_freq_factor
+    high_freq_wavelen = old_context / high_freq_factor
+    dim = spec.n_rot
+    freqs = 1.0 / (spec.rope_base ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_freq_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            factors.append(1.0 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)

@@ -1,0 +1,216 @@
+"""Devices, buffers and the backend scheduler: the parts of ggml-backend.h the engine uses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import NULL, ffi, lib
+
+DEVICE_TYPES = {
+    lib.GGML_BACKEND_DEVICE_TYPE_CPU: "CPU",
+    lib.GGML_BACKEND_DEVICE_TYPE_GPU: "GPU",
+    lib.GGML_BACKEND_DEVICE_TYPE_IGPU: "IGPU",
+    lib.GGML_BACKEND_DEVICE_TYPE_ACCEL: "ACCEL",
+}
+
+
+def _string(pointer) -> str:
+    return ffi.string(pointer).decode() if pointer != NULL else ""
+
+
+@dataclass(frozen=True)
+class DeviceProps:
+    """One ggml device as the registry describes it. `handle` is the ggml_backend_dev_t."""
+
+    handle: object
+    index: int
+    name: str
+    description: str
+    type: str
+    library: str
+    device_id: str
+    free: int
+    total: int
+
+
+def devices() -> list[DeviceProps]:
+    """Every device of every registered backend (the CPU backend is always among them)."""
+    found = []
+    for index in range(lib.ggml_backend_dev_count()):
+        found.append(device_props(lib.ggml_backend_dev_get(index), index))
+    return found
+
+
+def device_props(dev, index: int) -> DeviceProps:
+    props = ffi.new("struct ggml_backend_dev_props *")
+    lib.ggml_backend_dev_get_props(dev, props)
+    reg = lib.ggml_backend_dev_backend_reg(dev)
+    return DeviceProps(
+        handle=dev,
+        index=index,
+        name=_string(props.name),
+        description=_string(props.description),
+        type=DEVICE_TYPES.get(props.type, "UNKNOWN"),
+        library=_string(lib.ggml_backend_reg_name(reg)) if reg != NULL else "",
+        device_id=_string(props.device_id),
+        free=props.memory_free,
+        total=props.memory_total,
+    )
+
+
+def device_memory(dev) -> tuple[int, int]:
+    """(free, total) bytes, asked anew."""
+    free = ffi.new("size_t *")
+    total = ffi.new("size_t *")
+    lib.ggml_backend_dev_memory(dev, free, total)
+    return free[0], total[0]
+
+
+def init_backend(dev):
+    backend = lib.ggml_backend_dev_init(dev, NULL)
+    if backend == NULL:
+        raise RuntimeError(f"failed to initialize ggml backend device {_string(lib.ggml_backend_dev_name(dev))}")
+    return backend
+
+
+def free_backend(backend) -> None:
+    lib.ggml_backend_free(backend)
+
+
+def set_threads(cpu_backend, n_threads: int) -> None:
+    lib.ggml_backend_cpu_set_n_threads(cpu_backend, n_threads)
+
+
+def backend_name(backend) -> str:
+    return _string(lib.ggml_backend_name(backend))
+
+
+# ---------------------------------------------------------------- buffer types and buffers
+
+
+def default_buffer_type(dev):
+    return lib.ggml_backend_dev_buffer_type(dev)
+
+
+def buffer_type_name(buft) -> str:
+    return _string(lib.ggml_backend_buft_name(buft))
+
+
+def alignment(buft) -> int:
+    return lib.ggml_backend_buft_get_alignment(buft)
+
+
+def is_host(buft) -> bool:
+    return bool(lib.ggml_backend_buft_is_host(buft))
+
+
+def padded_alloc_size(buft, tensor) -> int:
+    """What allocating this tensor in a buffer of this type takes, padded as ggml-alloc pads it."""
+    size = lib.ggml_backend_buft_get_alloc_size(buft, tensor)
+    align = alignment(buft)
+    return (size + align - 1) // align * align
+
+
+def context_alloc_size(ctx, buft) -> int:
+    return lib.ggml_backend_alloc_ctx_tensors_from_buft_size(ctx, buft)
+
+
+def alloc_context_tensors(ctx, buft):
+    """Allocate every tensor of a context in buffers of this type; None when the device is out of memory."""
+    buffer = lib.ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft)
+    return None if buffer == NULL else buffer
+
+
+def alloc_buffer(buft, size: int):
+    buffer = lib.ggml_backend_buft_alloc_buffer(buft, size)
+    return None if buffer == NULL else buffer
+
+
+def dummy_buffer(buft):
+    """A zero-sized buffer of the type: tensors that point at it are 'allocated' for the scheduler."""
+    return lib.ggml_backend_buft_alloc_buffer(buft, 0)
+
+
+def place_tensor(buffer, tensor, offset: int = 0) -> None:
+    base = ffi.cast("char *", lib.ggml_backend_buffer_get_base(buffer))
+    status = lib.ggml_backend_tensor_alloc(buffer, tensor, base + offset)
+    if status != lib.GGML_STATUS_SUCCESS:
+        raise RuntimeError(f"ggml_backend_tensor_alloc failed with status {status}")
+
+
+def mark_weights(buffer) -> None:
+    lib.ggml_backend_buffer_set_usage(buffer, lib.GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
+
+
+def clear_buffer(buffer, value: int = 0) -> None:
+    lib.ggml_backend_buffer_clear(buffer, value)
+
+
+def buffer_size(buffer) -> int:
+    return lib.ggml_backend_buffer_get_size(buffer)
+
+
+def free_buffer(buffer) -> None:
+    lib.ggml_backend_buffer_free(buffer)
+
+
+# ---------------------------------------------------------------- scheduler
+
+
+class Scheduler:
+    """ggml_backend_sched over a list of backends (the CPU last), with their buffer types."""
+
+    def __init__(self, backends: list, buffer_types: list, graph_size: int, op_offload: bool = True):
+        self.backends = ffi.new("ggml_backend_t[]", backends)
+        self.buffer_types = ffi.new("ggml_backend_buffer_type_t[]", buffer_types)
+        self.n_backends = len(backends)
+        self.graph_size = graph_size
+        self.handle = lib.ggml_backend_sched_new(
+            self.backends, self.buffer_types, self.n_backends, graph_size, False, op_offload
+        )
+        if self.handle == NULL:
+            raise RuntimeError("ggml_backend_sched_new failed")
+
+    def reserve_size(self, graph) -> list[int]:
+        """Compute-buffer bytes per backend that this graph needs; allocates nothing."""
+        sizes = ffi.new("size_t[]", self.n_backends)
+        lib.ggml_backend_sched_reserve_size(self.handle, graph, sizes)
+        return list(sizes)
+
+    def reserve(self, graph) -> bool:
+        """Grow the compute buffers so this graph fits; False when a device is out of memory."""
+        return bool(lib.ggml_backend_sched_reserve(self.handle, graph))
+
+    def buffer_sizes(self) -> list[int]:
+        return [lib.ggml_backend_sched_get_buffer_size(self.handle, self.backends[i]) for i in range(self.n_backends)]
+
+    def alloc_graph(self, graph) -> bool:
+        return bool(lib.ggml_backend_sched_alloc_graph(self.handle, graph))
+
+    def compute(self, graph) -> None:
+        status = lib.ggml_backend_sched_graph_compute(self.handle, graph)
+        if status != lib.GGML_STATUS_SUCCESS:
+            raise RuntimeError(f"error computing ggml graph (status {status})")
+
+    def reset(self) -> None:
+        lib.ggml_backend_sched_reset(self.handle)
+
+    def n_splits(self) -> int:
+        return lib.ggml_backend_sched_get_n_splits(self.handle)
+
+    def free(self) -> None:
+        if self.handle != NULL:
+            lib.ggml_backend_sched_free(self.handle)
+            self.handle = NULL
+
+
+def new_graph(ctx, size: int):
+    return lib.ggml_new_graph_custom(ctx, size, False)
+
+
+def graph_overhead(size: int) -> int:
+    return lib.ggml_graph_overhead_custom(size, False)
+
+
+def graph_n_nodes(graph) -> int:
+    return lib.ggml_graph_n_nodes(graph)

@@ -1,0 +1,16 @@
+"""The tensor layer model code is written against: Backend, Context, Tensor, devices and memory reports.
+
+Shapes are in ggml order, fastest dimension first (see tensor.py).
+"""
+
+from .backend import Backend, Placement
+from .context import Context
+from .device import Device, cpu_device, devices, gpu_devices
+from .memory import BackendMemory, DeviceID, DeviceMemory, GPULayers, GPULayersList, NoMemory
+from .tensor import DType, RopeOptions, ShapeError, Tensor
+
+__all__ = [
+    "Backend", "BackendMemory", "Context", "DType", "Device", "DeviceID", "DeviceMemory", "GPULayers",
+    "GPULayersList", "NoMemory", "Placement", "RopeOptions", "ShapeError", "Tensor", "cpu_device", "devices",
+    "gpu_devices",
+]

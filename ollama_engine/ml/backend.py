@@ -1,0 +1,320 @@
+"""Backend: a model's weights placed on devices, the scheduler that computes its graphs, and the
+memory report of everything it allocates.
+
+Placement follows the request's GPULayers exactly: a layer listed for a GPU the process can see goes
+there, every other layer and every tensor that belongs to no layer stays on the CPU. Token embeddings
+are always on the CPU; the output layer (index block_count) goes where `GPULayers` puts block_count.
+
+With `allocate=False` (the runner's `fit`) nothing is allocated: every size is computed and recorded,
+tensors point at empty placeholder buffers so the scheduler still knows their devices, and graph sizes
+come from ggml_backend_sched_reserve_size. With `allocate=True` (`alloc`/`commit`) the same sizes are
+recorded and then really allocated, so both report identical numbers.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import re
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from ollama_engine import ggml
+from ollama_engine.fs import GGUFFile
+from ollama_engine.ggml import GGMLType
+from ollama_engine.ggml import backend as ggml_backend
+
+from .device import Device, cpu_device, gpu_devices
+from .memory import BackendMemory, DeviceMemory, GPULayers, NoMemory
+from .tensor import Tensor
+
+log = logging.getLogger(__name__)
+
+INPUT_PARTS = {"position_embd", "token_embd", "token_norm_embd", "token_types"}
+OUTPUT_PARTS = {
+    "cls", "output", "output_norm", "altup_proj", "altup_unembd_proj",
+    "per_layer_token_embd", "per_layer_model_proj", "per_layer_proj_norm",
+}
+PER_LAYER_PARTS = {"rope_freqs", "rope_factors_long", "rope_factors_short"}
+LOAD_CHUNK = 4 << 20
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one model tensor lives: its name in the model, layer index (None = input) and device."""
+
+    name: str
+    layer: int | None
+    device: Device
+
+
+class Backend:
+    """The weights of one GGUF on the devices a GPULayers list chooses, and a scheduler over them.
+
+    With no model it is a bare compute backend (no weights, block_count 0): handy for tests and tools.
+    """
+
+    def __init__(
+        self,
+        model: GGUFFile | None,
+        gpu_layers: Iterable[GPULayers] = (),
+        *,
+        allocate: bool = True,
+        num_threads: int | None = None,
+        flash_attention: bool = False,
+        memory_limits: dict[str, int] | None = None,
+    ):
+        self.model = model
+        self.allocate = allocate
+        self.flash_attention = flash_attention
+        self.block_count = model.config.get_uint("block_count", 0) if model is not None else 0
+        self.memory_limits = dict(memory_limits or {})
+        self.cpu = cpu_device()
+        self.gpus = gpu_devices()
+        self.gpu_layers = list(gpu_layers)
+        self.memory = BackendMemory(
+            cpu=self._empty_report(self.cpu), gpus=[self._empty_report(gpu) for gpu in self.gpus]
+        )
+        self._device_memory = {self.cpu.handle: self.memory.cpu}
+        self._device_memory.update({g.handle: m for g, m in zip(self.gpus, self.memory.gpus, strict=True)})
+        self.layer_devices = [self._assign(layer) for layer in range(self.block_count + 1)]
+        self._buffers: list = []
+        self._placeholders: dict[int, object] = {}
+        self._weight_contexts: list = []
+        self.weights: dict[str, Tensor] = {}
+        self._load_targets: dict[str, list[Tensor]] = {}
+        self._backends: list = []
+        self.scheduler: ggml_backend.Scheduler | None = None
+        self.compute_lock = threading.Lock()
+        try:
+            self._create_weights()
+            self._create_scheduler(num_threads or default_threads())
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------ placement
+
+    def _empty_report(self, device: Device) -> DeviceMemory:
+        return DeviceMemory(
+            device_id=device.device_id, name=device.name,
+            weights=[0] * (self.block_count + 1), cache=[0] * (self.block_count + 1),
+        )
+
+    def _assign(self, layer: int) -> Device:
+        for entry in self.gpu_layers:
+            if layer in entry.layers:
+                for gpu in self.gpus:
+                    if gpu.matches(entry.device_id):
+                        return gpu
+        return self.cpu
+
+    def layer_device(self, layer: int) -> Device:
+        """Device of a repeating layer, or of the output layer for index block_count."""
+        return self.layer_devices[layer]
+
+    def placements(self, name: str) -> list[Placement]:
+        """Every tensor a file tensor becomes (tied output weights and per-layer RoPE factors are copied)."""
+        parts = name.split(".")
+        output = self.block_count
+        if parts[0] in INPUT_PARTS:
+            placed = [Placement(name, None, self.cpu)]
+            if name == "token_embd.weight" and "output.weight" not in self.model.tensors:
+                placed.append(Placement("output.weight", output, self.layer_device(output)))
+            return placed
+        if PER_LAYER_PARTS.intersection(parts):
+            return [Placement(f"blk.{i}.{name}", i, self.layer_device(i)) for i in range(self.block_count)]
+        if OUTPUT_PARTS.intersection(parts) or parts[0] in ("v", "mm", "s"):
+            return [Placement(name, output, self.layer_device(output))]
+        number = re.search(r"\d+", name)
+        if number is None:
+            return [Placement(name, None, self.cpu)]
+        layer = int(number.group())
+        if layer >= self.block_count:
+            raise ValueError(f"{self.model.path}: tensor {name} names layer {layer} of {self.block_count}")
+        return [Placement(name, layer, self.layer_device(layer))]
+
+    # ------------------------------------------------------------ memory accounting
+
+    def _report(self, device: Device) -> DeviceMemory:
+        return self._device_memory[device.handle]
+
+    def _record(self, device: Device, layer: int | None, size: int, kind: str) -> None:
+        if layer is None:
+            self.memory.input_weights += size
+        else:
+            getattr(self._report(device), kind)[layer] += size
+
+    def _allocated_on(self, device: Device) -> int:
+        report = self._report(device)
+        total = report.size()
+        return total + (self.memory.input_weights if device is self.cpu else 0)
+
+    def _within_limit(self, device: Device) -> bool:
+        limit = self.memory_limits.get(device.name)
+        return limit is None or self._allocated_on(device) <= limit
+
+    def placeholder_buffer(self, device: Device):
+        """A zero-sized buffer on the device: tensors that point at it count as allocated (fit mode)."""
+        key = id(device.handle)
+        if key not in self._placeholders:
+            buffer = ggml_backend.dummy_buffer(device.buffer_type)
+            self._placeholders[key] = buffer
+            self._buffers.append(buffer)
+        return self._placeholders[key]
+
+    def allocate_tensor(self, device: Device, layer: int | None, handle) -> None:
+        """Give one tensor its own buffer on the device, recorded as KV cache of `layer` first."""
+        size = ggml_backend.padded_alloc_size(device.buffer_type, handle)
+        self._record(device, layer, size, "cache")
+        if not self.allocate:
+            ggml.set_buffer(handle, self.placeholder_buffer(device))
+            return
+        buffer = ggml_backend.alloc_buffer(device.buffer_type, size) if self._within_limit(device) else None
+        if buffer is None:
+            raise NoMemory(self.memory)
+        self._buffers.append(buffer)
+        ggml_backend.place_tensor(buffer, handle)
+        ggml_backend.clear_buffer(buffer, 0)
+
+    # ------------------------------------------------------------ weights
+
+    def _create_weights(self) -> None:
+        by_device: dict[int, tuple[Device, list]] = {}
+        for info in self.model.tensors.values() if self.model is not None else ():
+            for placement in self.placements(info.name):
+                key = id(placement.device.handle)
+                by_device.setdefault(key, (placement.device, []))[1].append((placement, info))
+        groups = []
+        for device, entries in by_device.values():
+            ctx = ggml.new_context(len(entries))
+            self._weight_contexts.append(ctx)
+            handles = []
+            for placement, info in entries:
+                handle = ggml.new_tensor(ctx, int(info.ggml_type), tuple(info.shape))
+                ggml.set_name(handle, placement.name)
+                tensor = Tensor(None, handle)
+                self.weights[placement.name] = tensor
+                self._load_targets.setdefault(info.name, []).append(tensor)
+                handles.append(handle)
+                size = ggml_backend.padded_alloc_size(device.buffer_type, handle)
+                self._record(device, placement.layer, size, "weights")
+            groups.append((device, ctx, handles))
+        # every weight is sized before anything is allocated, so a failure reports all of them
+        for device, ctx, handles in groups:
+            if not self.allocate:
+                buffer = self.placeholder_buffer(device)
+                for handle in handles:
+                    ggml.set_buffer(handle, buffer)
+                continue
+            fits = self._within_limit(device)
+            buffer = ggml_backend.alloc_context_tensors(ctx, device.buffer_type) if fits else None
+            if buffer is None:
+                raise NoMemory(self.memory)
+            ggml_backend.mark_weights(buffer)
+            self._buffers.append(buffer)
+
+    def get(self, name: str) -> Tensor | None:
+        return self.weights.get(name)
+
+    # ------------------------------------------------------------ scheduler
+
+    def _create_scheduler(self, num_threads: int) -> None:
+        used = {id(d.handle) for d in self.layer_devices}
+        self.compute_devices = [gpu for gpu in self.gpus if id(gpu.handle) in used] + [self.cpu]
+        for device in self.compute_devices:
+            backend = ggml_backend.init_backend(device.handle)
+            self._backends.append(backend)
+        ggml_backend.set_threads(self._backends[-1], num_threads)
+        self.num_threads = num_threads
+        self.max_graph_nodes = max(1024, 32 * len(self.weights))
+        self.scheduler = ggml_backend.Scheduler(
+            self._backends, [d.buffer_type for d in self.compute_devices], self.max_graph_nodes
+        )
+
+    def reserve(self, graph) -> None:
+        """Make room for this graph's compute buffers (fit: only measure); Graph keeps the maximum."""
+        assert self.scheduler is not None
+        sizes = self.scheduler.reserve_size(graph)
+        for device, size in zip(self.compute_devices, sizes, strict=True):
+            report = self._report(device)
+            report.graph = max(report.graph, size)
+        if self.allocate:
+            over = not all(self._within_limit(d) for d in self.compute_devices)
+            if over or not self.scheduler.reserve(graph):
+                raise NoMemory(self.memory)
+
+    def new_context(self, max_nodes: int | None = None):
+        from .context import Context
+
+        return Context(self, max_nodes or self.max_graph_nodes)
+
+    # ------------------------------------------------------------ loading
+
+    def load(self, progress: Callable[[float], None] | None = None, workers: int | None = None) -> None:
+        """Read every tensor's bytes from the file into its buffer(s), reporting progress from 0 to 1."""
+        if not self.allocate or self.model is None:
+            raise RuntimeError("cannot load model without memory allocation")
+        infos = list(self.model.tensors.values())
+        total = sum(info.n_bytes for info in infos) or 1
+        done = 0
+        lock = threading.Lock()
+
+        def load_one(info, data: memoryview) -> None:
+            nonlocal done
+            view = data[info.offset : info.offset + info.n_bytes]
+            for start in range(0, info.n_bytes, LOAD_CHUNK):
+                chunk = view[start : start + LOAD_CHUNK]
+                for target in self._load_targets[info.name]:
+                    ggml.write_bytes(target.handle, chunk, start)
+                with lock:
+                    done += len(chunk)
+                    if progress is not None:
+                        progress(min(done / total, 1.0))
+
+        with open(self.model.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            data = memoryview(mapped)
+            try:
+                with ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 2)) as pool:
+                    for future in [pool.submit(load_one, info, data) for info in infos]:
+                        future.result()
+            finally:
+                data.release()
+        if progress is not None:
+            progress(1.0)
+        log.info("model loaded", extra={"tensors": len(infos), "bytes": total})
+
+    # ------------------------------------------------------------ teardown
+
+    def close(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.free()
+            self.scheduler = None
+        for backend in self._backends:
+            ggml_backend.free_backend(backend)
+        self._backends = []
+        for buffer in self._buffers:
+            ggml_backend.free_buffer(buffer)
+        self._buffers = []
+        self._placeholders = {}
+        for ctx in self._weight_contexts:
+            ggml.free_context(ctx)
+        self._weight_contexts = []
+        self.weights = {}
+
+    def __enter__(self) -> Backend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def default_threads() -> int:
+    """Physical cores are what ggml scales with; without that information use every visible CPU."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+__all__ = ["Backend", "GGMLType", "Placement", "default_threads"]

@@ -1,0 +1,168 @@
+"""Context: where model code creates tensors and builds one compute graph.
+
+Three kinds of tensor come from a context:
+- graph inputs, from `ctx.input()` (or `ctx` itself): their memory is part of the graph's compute
+  buffer on the CPU, and the values given at creation are written after the scheduler allocates it;
+- stored tensors, from `ctx.layer(i)`: each gets its own buffer on layer i's device, counted as that
+  layer's KV cache in the memory report (this is how caches are created), and lives until `close()`;
+- graph nodes, from operations on tensors (see tensor.py).
+
+`forward()` adds tensors to the graph, `compute()` runs it, `reserve()` sizes (or allocates) its
+compute buffers without running it.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ollama_engine import ggml
+from ollama_engine.ggml import backend as ggml_backend
+from ollama_engine.ggml import ops
+
+from .memory import NoMemory
+from .tensor import DType, ShapeError, Tensor
+
+if TYPE_CHECKING:
+    from .backend import Backend
+
+
+def _check_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    if not 1 <= len(shape) <= ggml.MAX_DIMS or any(int(d) < 1 for d in shape):
+        raise ShapeError(f"tensor shapes have 1 to 4 dimensions of at least 1, got {shape}")
+    return tuple(int(d) for d in shape)
+
+
+class Context:
+    """One graph under construction, plus the stored tensors created through it."""
+
+    def __init__(self, backend: Backend, max_nodes: int):
+        self.backend = backend
+        self.max_nodes = max_nodes
+        # room for the graph's nodes, the views and reshapes between them, and the graph itself
+        self.handle = ggml.new_context(3 * max_nodes, graph_nodes=max_nodes)
+        self._layer: int | None = None  # set on the views returned by layer()
+        self._inputs: list[tuple[object, np.ndarray]] = []
+        self._forward: list[Tensor] = []
+        self._graph = None
+        self._closed = False
+
+    # ------------------------------------------------------------ where tensors go
+
+    def input(self) -> Context:
+        """Tensors created through the result are graph inputs on the CPU."""
+        view = copy.copy(self)
+        view._layer = None
+        return view
+
+    def layer(self, index: int) -> Context:
+        """Tensors created through the result are stored on layer `index`'s device (KV cache)."""
+        if not 0 <= index <= self.backend.block_count:
+            raise IndexError(f"layer {index} out of 0..{self.backend.block_count}")
+        view = copy.copy(self)
+        view._layer = index
+        return view
+
+    # ------------------------------------------------------------ creating tensors
+
+    def _create(self, dtype: DType, shape: tuple[int, ...]) -> Tensor:
+        shape = _check_shape(shape)
+        if shape[0] % ggml.block_size(dtype):
+            raise ShapeError(f"{dtype.name} needs dim 0 to be a multiple of {ggml.block_size(dtype)}, got {shape}")
+        if not ggml.context_has_room(self.handle):
+            raise MemoryError("graph context is full: raise max_nodes")
+        handle = ggml.new_tensor(self.handle, int(dtype), shape)
+        if self._layer is not None:
+            self.backend.allocate_tensor(self.backend.layer_device(self._layer), self._layer, handle)
+        else:
+            ggml.mark_input(handle)
+        return Tensor(self, handle)
+
+    def empty(self, dtype: DType, *shape: int) -> Tensor:
+        """Uninitialised (for graph inputs: filled by the graph, e.g. as a copy destination)."""
+        return self._create(dtype, shape)
+
+    def zeros(self, dtype: DType, *shape: int) -> Tensor:
+        tensor = self._create(dtype, shape)
+        if self._layer is None:
+            self._inputs.append((tensor.handle, np.zeros(tensor.nbytes, dtype=np.uint8)))
+        return tensor  # stored tensors are cleared when their buffer is allocated
+
+    def from_numpy(self, values: np.ndarray, dtype: DType | None = None) -> Tensor:
+        """A tensor holding `values` (F32/F16/I32...); the ggml shape is the numpy shape reversed."""
+        values = np.asarray(values)
+        dtype = dtype if dtype is not None else ggml.ggml_type_of(values.dtype)
+        if dtype not in ggml.NUMPY_TYPES:
+            raise ShapeError(f"from_numpy makes {dtype.name} tensors from raw blocks: use from_bytes")
+        values = np.ascontiguousarray(values, dtype=ggml.NUMPY_TYPES[dtype])
+        return self.from_bytes(dtype, values, *(reversed(values.shape) if values.ndim else (1,)))
+
+    def from_bytes(self, dtype: DType, data: np.ndarray | bytes, *shape: int) -> Tensor:
+        """A tensor of any type (quantized ones included) from its raw bytes."""
+        raw = np.frombuffer(data, dtype=np.uint8) if isinstance(data, bytes) else np.asarray(data).view(np.uint8)
+        tensor = self._create(dtype, shape)
+        if raw.nbytes != tensor.nbytes:
+            raise ShapeError(f"{raw.nbytes} bytes of data for a {dtype.name} tensor of {tensor.nbytes} bytes")
+        if self._layer is None:
+            self._inputs.append((tensor.handle, raw))
+        elif self.backend.allocate:
+            tensor.set(raw)
+        return tensor
+
+    def from_floats(self, values, *shape: int) -> Tensor:
+        return self.from_numpy(np.asarray(values, dtype=np.float32).reshape(tuple(reversed(shape))))
+
+    def from_ints(self, values, *shape: int) -> Tensor:
+        return self.from_numpy(np.asarray(values, dtype=np.int32).reshape(tuple(reversed(shape))))
+
+    def arange(self, start: float, stop: float, step: float = 1.0) -> Tensor:
+        return self.from_numpy(np.arange(start, stop, step, dtype=np.float32))
+
+    # ------------------------------------------------------------ the graph
+
+    def forward(self, *tensors: Tensor) -> Context:
+        """Add tensors (and everything they depend on) to the graph, in order."""
+        self._forward.extend(tensors)
+        return self
+
+    def _build(self, outputs: tuple[Tensor, ...]):
+        graph = ggml_backend.new_graph(self.handle, self.max_nodes)
+        for tensor in (*self._forward, *outputs):
+            if ggml_backend.graph_n_nodes(graph) >= self.max_nodes:
+                raise MemoryError(f"graph has more than {self.max_nodes} nodes")
+            ops.build_forward_expand(graph, tensor.handle)
+        return graph
+
+    def compute(self, *outputs: Tensor) -> None:
+        """Run the graph; afterwards `outputs` (and forwarded tensors) can be read with numpy()."""
+        for tensor in outputs:
+            ggml.mark_output(tensor.handle)
+        graph = self._build(outputs)
+        scheduler = self.backend.scheduler
+        with self.backend.compute_lock:
+            scheduler.reset()
+            if not scheduler.alloc_graph(graph):
+                raise NoMemory(self.backend.memory)
+            for handle, values in self._inputs:
+                if ggml.has_storage(handle):  # inputs the graph never uses get no memory
+                    ggml.write(handle, values)
+            scheduler.compute(graph)
+
+    def reserve(self, *outputs: Tensor) -> None:
+        """Size the compute buffers this graph needs (and allocate them unless fitting)."""
+        graph = self._build(outputs)
+        with self.backend.compute_lock:
+            self.backend.reserve(graph)
+
+    def close(self) -> None:
+        if not self._closed:
+            ggml.free_context(self.handle)
+            self._closed = True
+
+    def __enter__(self) -> Context:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

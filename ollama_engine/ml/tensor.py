@@ -1,0 +1,413 @@
+"""Tensor: a node of a ggml graph, with the operations model code needs.
+
+Shapes are in ggml order, fastest dimension first: a batch of 7 hidden states of width 64 has shape
+(64, 7), and its numpy array shape (7, 64). Every operation checks its operands' shapes and types in
+Python first and raises ShapeError, because ggml aborts the whole process on a failed assertion.
+
+Operations build graph nodes in the graph context of whichever operand belongs to one (weights belong
+to none), so `weight.matmul(x)` lands in x's graph.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ollama_engine import ggml
+from ollama_engine.ggml import GGMLType, ops
+
+if TYPE_CHECKING:
+    from .context import Context
+
+DType = GGMLType
+
+
+class ShapeError(ValueError):
+    """Operands whose shapes or types ggml would reject."""
+
+
+@dataclass(frozen=True)
+class RopeOptions:
+    """RoPE variant and YaRN parameters (ggml's defaults: original context 128K, attention factor 1)."""
+
+    neox: bool = False
+    original_context: int = 131072
+    extrapolation_factor: float = 0.0
+    attention_factor: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+
+def _pad4(shape: Sequence[int]) -> list[int]:
+    return list(shape) + [1] * (4 - len(shape))
+
+
+class Tensor:
+    """A ggml tensor handle plus the graph context that new nodes go to (None for weights)."""
+
+    __slots__ = ("ctx", "handle")
+
+    def __init__(self, ctx: Context | None, handle):
+        self.ctx = ctx
+        self.handle = handle
+
+    # ------------------------------------------------------------ metadata
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return ggml.shape(self.handle)
+
+    @property
+    def ne(self) -> tuple[int, int, int, int]:
+        """All four dimensions, trailing ones included."""
+        return ggml.full_shape(self.handle)
+
+    @property
+    def strides(self) -> tuple[int, int, int, int]:
+        """Byte strides nb[0..3]."""
+        return ggml.strides(self.handle)
+
+    @property
+    def dtype(self) -> DType:
+        return DType(ggml.tensor_type(self.handle))
+
+    @property
+    def name(self) -> str:
+        return ggml.get_name(self.handle)
+
+    @property
+    def nbytes(self) -> int:
+        return ggml.nbytes(self.handle)
+
+    def dim(self, n: int) -> int:
+        return self.ne[n]
+
+    def element_count(self) -> int:
+        return math.prod(self.ne)
+
+    def set_name(self, name: str) -> Tensor:
+        ggml.set_name(self.handle, name)
+        return self
+
+    def __repr__(self) -> str:
+        return f"Tensor({self.name or '?'}, {self.dtype.name}, shape={self.shape})"
+
+    # ------------------------------------------------------------ data
+
+    def numpy(self) -> np.ndarray:
+        """The computed or stored values; numpy's shape is the ggml shape reversed."""
+        if not ggml.has_storage(self.handle):
+            raise RuntimeError(f"{self!r} has no memory: compute its graph (or load the model) first")
+        return ggml.read(self.handle)
+
+    def set(self, values: np.ndarray) -> None:
+        """Write values into a tensor that has memory (a weight, a cache tensor, a computed input)."""
+        values = np.asarray(values)
+        if values.nbytes != self.nbytes:
+            raise ShapeError(f"{values.nbytes} bytes of data for {self!r} of {self.nbytes} bytes")
+        ggml.write(self.handle, values)
+
+    # ------------------------------------------------------------ helpers
+
+    def _graph(self, *others: Tensor | None) -> Context:
+        for t in (self, *others):
+            if t is not None and t.ctx is not None:
+                return t.ctx
+        raise RuntimeError("an operation needs at least one operand that belongs to a graph context")
+
+    def _new(self, handle, *others: Tensor | None) -> Tensor:
+        return Tensor(self._graph(*others), handle)
+
+    def _check_broadcast(self, other: Tensor, op: str) -> None:
+        if any(a % b for a, b in zip(self.ne, other.ne, strict=True)):
+            raise ShapeError(f"{op}: {other.shape} does not broadcast to {self.shape}")
+
+    # ------------------------------------------------------------ arithmetic
+
+    def add(self, other: Tensor) -> Tensor:
+        self._check_broadcast(other, "add")
+        return self._new(ops.add(self._graph(other).handle, self.handle, other.handle), other)
+
+    def sub(self, other: Tensor) -> Tensor:
+        self._check_broadcast(other, "sub")
+        return self._new(ops.sub(self._graph(other).handle, self.handle, other.handle), other)
+
+    def mul(self, other: Tensor) -> Tensor:
+        self._check_broadcast(other, "mul")
+        return self._new(ops.mul(self._graph(other).handle, self.handle, other.handle), other)
+
+    def div(self, other: Tensor) -> Tensor:
+        self._check_broadcast(other, "div")
+        return self._new(ops.div(self._graph(other).handle, self.handle, other.handle), other)
+
+    def scale(self, factor: float) -> Tensor:
+        return self._new(ops.scale(self._graph().handle, self.handle, factor))
+
+    def matmul(self, other: Tensor) -> Tensor:
+        """self (K, M, ...) times other (K, N, ...) -> (M, N, ...): ggml's mul_mat, rows against rows."""
+        a, b = self.ne, other.ne
+        if a[0] != b[0] or b[2] % a[2] or b[3] % a[3]:
+            raise ShapeError(f"matmul: {self.shape} x {other.shape}: inner dimensions differ or batch dims mismatch")
+        return self._new(ops.mul_mat(self._graph(other).handle, self.handle, other.handle), other)
+
+    def matmul_full_precision(self, other: Tensor) -> Tensor:
+        out = self.matmul(other)
+        ops.mul_mat_set_prec(out.handle, ops.PREC_F32)
+        return out
+
+    def matmul_id(self, other: Tensor, ids: Tensor) -> Tensor:
+        """Experts self (K, M, n_expert) applied to other (K, n_used or 1, N) as chosen by ids (n_used, N)."""
+        if ids.dtype != DType.I32:
+            raise ShapeError("matmul_id: ids must be I32")
+        if self.ne[0] != other.ne[0] or ids.ne[1] != other.ne[2] or other.ne[1] not in (1, ids.ne[0]):
+            raise ShapeError(f"matmul_id: experts {self.shape}, input {other.shape}, ids {ids.shape}")
+        ctx = self._graph(other, ids)
+        return Tensor(ctx, ops.mul_mat_id(ctx.handle, self.handle, other.handle, ids.handle))
+
+    # ------------------------------------------------------------ rows
+
+    def rows(self, indices: Tensor) -> Tensor:
+        """Gather rows (dim 1) by I32 indices: an embedding lookup, or keeping the rows that need logits."""
+        if indices.dtype != DType.I32:
+            raise ShapeError("rows: indices must be I32")
+        if indices.ne[1] != self.ne[2] or indices.ne[2] != 1 or self.ne[3] != 1:
+            raise ShapeError(f"rows: cannot index {self.shape} with {indices.shape}")
+        ctx = self._graph(indices)
+        return Tensor(ctx, ops.get_rows(ctx.handle, self.handle, indices.handle))
+
+    def set_rows(self, source: Tensor, indices: Tensor) -> Tensor:
+        """Scatter source's rows into self at indices (I32 or I64); returns the updated view of self."""
+        if indices.dtype not in (DType.I32, DType.I64):
+            raise ShapeError("set_rows: indices must be I32 or I64")
+        if source.dtype != DType.F32:
+            raise ShapeError("set_rows: source must be F32")
+        s, d, i = source.ne, self.ne, indices.ne
+        if s[0] != d[0] or s[1] != i[0] or s[2] % i[1] or s[3] % i[2] or d[2] % s[2] or d[3] % s[3]:
+            raise ShapeError(f"set_rows: {source.shape} into {self.shape} at {indices.shape}")
+        ctx = self._graph(source, indices)
+        return Tensor(ctx, ops.set_rows(ctx.handle, self.handle, source.handle, indices.handle))
+
+    # ------------------------------------------------------------ normalisation
+
+    def rms_norm(self, weight: Tensor | None, eps: float) -> Tensor:
+        out = self._new(ops.rms_norm(self._graph().handle, self.handle, eps))
+        return out.mul(weight) if weight is not None else out
+
+    def layer_norm(self, weight: Tensor | None, bias: Tensor | None, eps: float) -> Tensor:
+        out = self._new(ops.norm(self._graph().handle, self.handle, eps))
+        if weight is not None:
+            out = out.mul(weight)
+        return out.add(bias) if bias is not None else out
+
+    def l2_norm(self, eps: float) -> Tensor:
+        return self._new(ops.l2_norm(self._graph().handle, self.handle, eps))
+
+    # ------------------------------------------------------------ positions and attention
+
+    def rope(
+        self,
+        positions: Tensor,
+        dims: int,
+        base: float,
+        scale: float = 1.0,
+        factors: Tensor | None = None,
+        options: RopeOptions = RopeOptions(),  # noqa: B008 - frozen dataclass
+    ) -> Tensor:
+        """Rotate the first `dims` features of (head_dim, heads, tokens) by positions (I32, tokens)."""
+        if positions.dtype != DType.I32 or positions.ne[0] != self.ne[2]:
+            raise ShapeError(f"rope: positions {positions.shape} for input {self.shape}")
+        if dims > self.ne[0] or dims % 2:
+            raise ShapeError(f"rope: {dims} rotary dims for head size {self.ne[0]}")
+        if factors is not None and factors.ne[0] < dims // 2:
+            raise ShapeError(f"rope: frequency factors {factors.shape} shorter than {dims // 2}")
+        source = self if self.dtype in (DType.F32, DType.F16) else self.cast(DType.F32)
+        mode = ops.ROPE_TYPE_NEOX if options.neox else ops.ROPE_TYPE_NORMAL
+        ctx = self._graph(positions)
+        handle = ops.rope_ext(
+            ctx.handle, source.handle, positions.handle, factors.handle if factors is not None else ggml.NULL,
+            dims, mode, options.original_context, base, scale, options.extrapolation_factor,
+            options.attention_factor, options.beta_fast, options.beta_slow,
+        )
+        return Tensor(ctx, handle)
+
+    def softmax(self, mask: Tensor | None = None, scale: float = 1.0) -> Tensor:
+        if mask is not None:
+            if mask.dtype not in (DType.F32, DType.F16) or mask.ne[0] != self.ne[0] or mask.ne[1] < self.ne[1]:
+                raise ShapeError(f"softmax: mask {mask.shape} for scores {self.shape}")
+        ctx = self._graph(mask)
+        handle = ops.soft_max_ext(ctx.handle, self.handle, mask.handle if mask is not None else ggml.NULL, scale, 0.0)
+        return Tensor(ctx, handle)
+
+    def flash_attention(self, key: Tensor, value: Tensor, mask: Tensor | None, scale: float) -> Tensor:
+        """Fused attention; q (d, n_q, heads), k/v (d, n_kv, kv_heads) -> (d_v, heads, n_q)."""
+        q, k, v = self.ne, key.ne, value.ne
+        if q[0] != k[0] or k[1] != v[1] or q[2] % k[2] or k[2] != v[2]:
+            raise ShapeError(f"flash_attention: q {self.shape}, k {key.shape}, v {value.shape}")
+        if mask is not None and (mask.dtype != DType.F16 or mask.ne[0] != k[1] or mask.ne[1] < q[1]):
+            raise ShapeError(f"flash_attention: mask {mask.shape} ({mask.dtype.name}) needs F16 ({k[1]}, >={q[1]})")
+        ctx = self._graph(key, value, mask)
+        handle = ops.flash_attn_ext(
+            ctx.handle, self.handle, key.handle, value.handle, mask.handle if mask is not None else ggml.NULL,
+            scale, 0.0, 0.0,
+        )
+        ops.flash_attn_ext_set_prec(handle, ops.PREC_F32)
+        return Tensor(ctx, handle)
+
+    # ------------------------------------------------------------ activations
+
+    def silu(self, up: Tensor | None = None) -> Tensor:
+        """silu(self), or the gated silu(self) * up."""
+        if up is None:
+            return self._new(ops.silu(self._graph().handle, self.handle))
+        if up.ne != self.ne:
+            raise ShapeError(f"silu: gate {self.shape} and up {up.shape} differ")
+        return self._new(ops.swiglu_split(self._graph(up).handle, self.handle, up.handle), up)
+
+    def gelu(self, up: Tensor | None = None) -> Tensor:
+        """gelu(self) (tanh approximation), or the gated gelu(self) * up."""
+        if up is None:
+            return self._new(ops.gelu(self._graph().handle, self.handle))
+        if up.ne != self.ne:
+            raise ShapeError(f"gelu: gate {self.shape} and up {up.shape} differ")
+        return self._new(ops.geglu_split(self._graph(up).handle, self.handle, up.handle), up)
+
+    def gelu_erf(self) -> Tensor:
+        return self._new(ops.gelu_erf(self._graph().handle, self.handle))
+
+    def relu(self) -> Tensor:
+        return self._new(ops.relu(self._graph().handle, self.handle))
+
+    def sigmoid(self) -> Tensor:
+        return self._new(ops.sigmoid(self._graph().handle, self.handle))
+
+    def tanh(self) -> Tensor:
+        return self._new(ops.tanh(self._graph().handle, self.handle))
+
+    def exp(self) -> Tensor:
+        return self._new(ops.exp(self._graph().handle, self.handle))
+
+    def sqr(self) -> Tensor:
+        return self._new(ops.sqr(self._graph().handle, self.handle))
+
+    def sqrt(self) -> Tensor:
+        return self._new(ops.sqrt(self._graph().handle, self.handle))
+
+    def neg(self) -> Tensor:
+        return self._new(ops.neg(self._graph().handle, self.handle))
+
+    def clamp(self, low: float, high: float) -> Tensor:
+        return self._new(ops.clamp(self._graph().handle, self.handle, low, high))
+
+    # ------------------------------------------------------------ reductions and sorting
+
+    def sum_rows(self) -> Tensor:
+        return self._new(ops.sum_rows(self._graph().handle, self.handle))
+
+    def mean(self) -> Tensor:
+        return self._new(ops.mean(self._graph().handle, self.handle))
+
+    def argsort(self, descending: bool = False) -> Tensor:
+        order = ops.SORT_DESC if descending else ops.SORT_ASC
+        return self._new(ops.argsort(self._graph().handle, self.handle, order))
+
+    def top_k(self, k: int) -> Tensor:
+        """Indices of the k largest values of each row (in no particular order)."""
+        if not 0 < k <= self.ne[0]:
+            raise ShapeError(f"top_k: k={k} for rows of {self.ne[0]}")
+        return self._new(ops.top_k(self._graph().handle, self.handle, k))
+
+    # ------------------------------------------------------------ layout
+
+    def reshape(self, *shape: int) -> Tensor:
+        """Same elements, new shape; one dimension may be -1 (inferred). Needs a contiguous tensor."""
+        shape = self._infer_shape(shape)
+        if not ggml.is_contiguous(self.handle):
+            raise ShapeError(f"reshape: {self!r} is not contiguous; call contiguous() first")
+        ctx = self._graph().handle
+        ne = _pad4(shape)
+        functions = (ops.reshape_1d, ops.reshape_2d, ops.reshape_3d, ops.reshape_4d)
+        return self._new(functions[len(shape) - 1](ctx, self.handle, *ne[: len(shape)]))
+
+    def _infer_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+        if not 1 <= len(shape) <= 4:
+            raise ShapeError(f"shapes have 1 to 4 dimensions, got {tuple(shape)}")
+        total = self.element_count()
+        if shape.count(-1) == 1:
+            known = math.prod(d for d in shape if d != -1)
+            if known <= 0 or total % known:
+                raise ShapeError(f"cannot infer -1 in {tuple(shape)} for {total} elements")
+            shape = tuple(total // known if d == -1 else d for d in shape)
+        if any(d < 1 for d in shape) or math.prod(shape) != total:
+            raise ShapeError(f"cannot reshape {self.shape} ({total} elements) to {tuple(shape)}")
+        return tuple(shape)
+
+    def view(self, offset: int, shape: Sequence[int], strides: Sequence[int] = ()) -> Tensor:
+        """A window onto self: `shape` elements, byte `strides` nb1..nb(n-1) (default: self's), from byte offset."""
+        n = len(shape)
+        if not 1 <= n <= 4:
+            raise ShapeError(f"view: 1 to 4 dimensions, got {tuple(shape)}")
+        nb = list(strides) if strides else list(self.strides[1:n])
+        if len(nb) != n - 1:
+            raise ShapeError(f"view: {n} dimensions need {n - 1} strides, got {len(nb)}")
+        row = ggml.row_size(self.dtype, shape[0])
+        extent = offset + row + sum((d - 1) * s for d, s in zip(shape[1:], nb, strict=True))
+        if offset < 0 or extent > self.nbytes:
+            raise ShapeError(f"view: bytes {offset}..{extent} outside {self!r} of {self.nbytes} bytes")
+        ctx = self._graph().handle
+        if n == 1:
+            handle = ops.view_1d(ctx, self.handle, shape[0], offset)
+        elif n == 2:
+            handle = ops.view_2d(ctx, self.handle, shape[0], shape[1], nb[0], offset)
+        elif n == 3:
+            handle = ops.view_3d(ctx, self.handle, shape[0], shape[1], shape[2], nb[0], nb[1], offset)
+        else:
+            handle = ops.view_4d(ctx, self.handle, *shape, *nb, offset)
+        return self._new(handle)
+
+    def permute(self, *axes: int) -> Tensor:
+        """Move dimension i to position axes[i] (ggml's convention); e.g. permute(0, 2, 1, 3) swaps 1 and 2."""
+        axes = tuple(axes) + tuple(range(len(axes), 4))
+        if sorted(axes) != [0, 1, 2, 3]:
+            raise ShapeError(f"permute: {axes} is not a permutation of 0..3")
+        return self._new(ops.permute(self._graph().handle, self.handle, *axes))
+
+    def transpose(self) -> Tensor:
+        return self._new(ops.transpose(self._graph().handle, self.handle))
+
+    def contiguous(self, *shape: int) -> Tensor:
+        """A packed copy, optionally reshaped to `shape`."""
+        out = self._new(ops.cont(self._graph().handle, self.handle))
+        return out.reshape(*shape) if shape else out
+
+    def cast(self, dtype: DType) -> Tensor:
+        return self._new(ops.cast(self._graph().handle, self.handle, int(dtype)))
+
+    def copy_to(self, destination: Tensor) -> Tensor:
+        """Copy (converting type) into destination, which must have the same number of elements."""
+        if self.element_count() != destination.element_count():
+            raise ShapeError(f"copy: {self.shape} into {destination.shape}")
+        ctx = self._graph(destination)
+        return Tensor(ctx, ops.cpy(ctx.handle, self.handle, destination.handle))
+
+    def concat(self, other: Tensor, dim: int) -> Tensor:
+        if self.dtype != other.dtype or any(a != b for i, (a, b) in enumerate(zip(self.ne, other.ne)) if i != dim):
+            raise ShapeError(f"concat: {self.shape} and {other.shape} along {dim}")
+        ctx = self._graph(other)
+        return Tensor(ctx, ops.concat(ctx.handle, self.handle, other.handle, dim))
+
+    def pad(self, *amounts: int) -> Tensor:
+        """Zero-pad at the end of each dimension by amounts (p0, p1, p2, p3)."""
+        if len(amounts) > 4 or any(p < 0 for p in amounts):
+            raise ShapeError(f"pad: amounts {amounts} must be up to 4 non-negative numbers")
+        padded = list(amounts) + [0] * (4 - len(amounts))
+        return self._new(ops.pad(self._graph().handle, self.handle, *padded))
+
+    def repeat(self, like: Tensor) -> Tensor:
+        """Tile self to like's shape."""
+        like._check_broadcast(self, "repeat")
+        ctx = self._graph(like)
+        return Tensor(ctx, ops.repeat(ctx.handle, self.handle, like.handle))

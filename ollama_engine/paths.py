@@ -1,0 +1,27 @@
+"""Where the build puts things: one place, so build_ggml.py, the bindings and the tests agree."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BUILD_DIR = Path(os.environ.get("OLLAMA_ENGINE_BUILD_DIR", REPO_ROOT / "build"))
+SOURCE_ROOT = BUILD_DIR / "src"
+GGML_LIB_DIR = Path(__file__).resolve().parent / "ggml" / "lib"
+
+
+def llama_cpp_source() -> Path:
+    """The llama.cpp tree that build_ggml.py extracted (or OLLAMA_ENGINE_LLAMA_CPP for --source builds)."""
+    override = os.environ.get("OLLAMA_ENGINE_LLAMA_CPP")
+    if override:
+        return Path(override)
+    marker = BUILD_DIR / "source-path.txt"
+    if marker.exists():
+        return Path(marker.read_text().strip())
+    return SOURCE_ROOT / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"
+
+
+def vocab_dir() -> Path:
+    """llama.cpp's models/ folder: vocab-only GGUFs and their tokenizer test files."""
+    return llama_cpp_source() / "models"

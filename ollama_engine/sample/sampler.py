@@ -1,0 +1,99 @@
+"""Pick the next token from one row of logits, the way Ollama's Go runner does.
+
+Temperature 0 is greedy. Otherwise the chain is top-k, temperature, softmax, top-p, min-p and a
+weighted draw from a per-request random generator, so a fixed seed reproduces a run exactly.
+Repeat/presence/frequency penalties and typical_p are ignored, as in Ollama's engine.
+"""
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ollama_engine.sample import transforms
+
+# The values Ollama's api.DefaultOptions() gives the sampling options when a request has none.
+DEFAULT_TEMPERATURE = 0.8
+DEFAULT_TOP_K = 40
+DEFAULT_TOP_P = 0.9
+DEFAULT_MIN_P = 0.0
+RANDOM_SEED = -1
+
+
+def _number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
+def _integer(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    return value
+
+
+class Sampler:
+    """Sampling settings plus the random generator of one request.
+
+    Out-of-range settings are clamped as Ollama clamps them: a negative temperature becomes 0
+    (greedy), top_p and min_p are limited to [0, 1]; top_k <= 0 means no top-k limit.
+    A seed of -1 or None draws from fresh OS entropy; any other integer seeds the generator
+    (negative seeds are taken modulo 2**64, as Go's uint64 conversion does).
+    """
+
+    def __init__(
+        self,
+        temperature: float = DEFAULT_TEMPERATURE,
+        top_k: int = DEFAULT_TOP_K,
+        top_p: float = DEFAULT_TOP_P,
+        min_p: float = DEFAULT_MIN_P,
+        seed: int | None = RANDOM_SEED,
+    ) -> None:
+        self.temperature = max(_number("temperature", temperature), 0.0)
+        self.top_k = _integer("top_k", top_k)
+        self.top_p = min(max(_number("top_p", top_p), 0.0), 1.0)
+        self.min_p = min(max(_number("min_p", min_p), 0.0), 1.0)
+        if seed is None or _integer("seed", seed) == RANDOM_SEED:
+            self.rng = np.random.default_rng()
+        else:
+            self.rng = np.random.default_rng(seed % 2**64)
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | None) -> "Sampler":
+        """Build from a /completion request's `options` object.
+
+        Null options mean Ollama's defaults. Otherwise a missing key means 0, because the parent
+        serialises options with `omitempty`: an absent temperature is greedy and an absent seed is 0.
+        """
+        if options is None:
+            return cls()
+        if not isinstance(options, Mapping):
+            raise TypeError(f"options must be an object, got {options!r}")
+        return cls(
+            temperature=options.get("temperature", 0.0),
+            top_k=options.get("top_k", 0),
+            top_p=options.get("top_p", 0.0),
+            min_p=options.get("min_p", 0.0),
+            seed=options.get("seed", 0),
+        )
+
+    def sample(self, logits: np.ndarray) -> int:
+        """The chosen token id. The logits array is read, never modified."""
+        logits = np.asarray(logits, dtype=np.float32)
+        if logits.ndim != 1:
+            raise ValueError(f"sample: expected one row of logits, got shape {logits.shape}")
+        if logits.size == 0:
+            raise ValueError("sample: no logits provided to sample")
+        if self.temperature == 0.0:
+            return int(np.argmax(logits))
+
+        ids = transforms.top_k(logits, self.top_k)
+        probs = transforms.softmax(transforms.temperature(logits[ids], self.temperature))
+        probs = transforms.min_p(transforms.top_p(probs, self.top_p), self.min_p)
+
+        cumulative = np.cumsum(probs, dtype=np.float32)
+        total = cumulative[-1]
+        if np.isnan(total):
+            raise ValueError("sample: logits sum to NaN, check model output")
+        r = self.rng.random(dtype=np.float32) * total
+        return int(ids[np.searchsorted(cumulative, r, side="left")])

@@ -1,0 +1,44 @@
+"""Tokenizers built from a GGUF vocabulary, tokenizing exactly as llama.cpp does.
+
+`from_gguf(path)` reads the metadata itself; `from_metadata(kv)` takes metadata a model loader already
+read (GGUF key -> value, arrays as lists).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from os import PathLike
+from typing import Any
+
+import gguf
+
+from ollama_engine.tokenizer.bpe import BytePairSegmenter
+from ollama_engine.tokenizer.core import Segmenter, Tokenizer
+from ollama_engine.tokenizer.spm import SentencePieceSegmenter
+from ollama_engine.tokenizer.vocab import Vocabulary
+from ollama_engine.tokenizer.wpm import WordPieceSegmenter
+
+__all__ = ["Tokenizer", "Vocabulary", "from_gguf", "from_metadata", "read_tokenizer_metadata"]
+
+
+def from_metadata(metadata: Mapping[str, Any]) -> Tokenizer:
+    vocab = Vocabulary(metadata)
+    segmenter: Segmenter
+    if vocab.model == "llama":
+        segmenter = SentencePieceSegmenter(vocab)
+    elif vocab.model == "gpt2":
+        segmenter = BytePairSegmenter(vocab)
+    else:
+        segmenter = WordPieceSegmenter(vocab)
+    return Tokenizer(vocab, segmenter)
+
+
+def from_gguf(path: str | PathLike[str]) -> Tokenizer:
+    return from_metadata(read_tokenizer_metadata(path))
+
+
+def read_tokenizer_metadata(path: str | PathLike[str]) -> dict[str, Any]:
+    """The general.* and tokenizer.* keys of a GGUF file (the rest is not needed to tokenize)."""
+    reader = gguf.GGUFReader(path)
+    return {key: field.contents() for key, field in reader.fields.items()
+            if key.startswith(("general.", "tokenizer."))}

@@ -1,0 +1,113 @@
+"""Byte-level BPE (tokenizer.ggml.model = gpt2) on the tokenizers library.
+
+llama.cpp splits text with the regexes named by tokenizer.ggml.pre (each regex splits the pieces the one
+before it left, keeping the text between matches), maps bytes to GPT-2's printable characters, then merges
+by rank. The same pipeline is a tokenizers Sequence of isolated Splits, ByteLevel and a BPE model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+from ollama_engine.tokenizer.vocab import Vocabulary
+
+# The regexes are llama.cpp's (src/llama-vocab.cpp), written for Oniguruma: case-insensitive groups spelt out
+# as [sS], and "end of text" as \z because Oniguruma's $ also matches before a newline.
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+_LLAMA3 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_QWEN2 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_QWEN35 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_CJK = "[一-龥ࠀ-一가-퟿]+"
+_DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]")
+_STARCODER = (r"\p{N}", _GPT2)
+_DEEPSEEK_LLM = (
+    r"[\r\n]",
+    r"\s?[A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝὟ-ώᾀ-ᾴᾶ-ᾼιῂ-ῄῆ-ῌῐ-ΐῖ-Ίῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤΩℨK-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲𑢠-𑣟𞤀-𞥃]+",
+    r"\s?[!-/:-~！-／：-～‘-‟　-。]+",
+    r"\s+\z",
+    _CJK,
+    r"\p{N}+",
+)
+_DEEPSEEK_CODER = (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK, r"\p{N}")
+_FALCON = (r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]")
+
+
+@dataclass(frozen=True)
+class PreTokenizer:
+    """How llama.cpp treats one tokenizer.ggml.pre value."""
+
+    regexes: tuple[str, ...]
+    clean_spaces: bool = True
+    ignore_merges: bool = False  # a whole pre-token that is in the vocabulary is taken as is
+    add_bos: bool = False  # default when the GGUF has no tokenizer.ggml.add_bos_token
+
+
+_LLAMA3_PRE = PreTokenizer((_LLAMA3,), ignore_merges=True, add_bos=True)
+_GPT2_PRE = PreTokenizer((_GPT2,))
+_STARCODER_PRE = PreTokenizer(_STARCODER)
+_QWEN2_PRE = PreTokenizer((_QWEN2,), clean_spaces=False)
+
+PRE_TOKENIZERS: dict[str, PreTokenizer] = {
+    "": PreTokenizer(_DEFAULT),
+    "default": PreTokenizer(_DEFAULT),
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+                     "jina-v5-nano"), _LLAMA3_PRE),
+    "dbrx": PreTokenizer((_LLAMA3,)),
+    "smaug-bpe": PreTokenizer((_LLAMA3,)),
+    "deepseek-llm": PreTokenizer(_DEEPSEEK_LLM, clean_spaces=False),
+    "deepseek-coder": PreTokenizer(_DEEPSEEK_CODER, clean_spaces=False),
+    "falcon": PreTokenizer(_FALCON),
+    **dict.fromkeys(("gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0",
+                     "mellum", "modern-bert", "mpt", "olmo", "jais", "exaone4"), _GPT2_PRE),
+    **dict.fromkeys(("starcoder", "refact", "codeshell", "exaone", "minerva-7b"), _STARCODER_PRE),
+    "command-r": PreTokenizer(_STARCODER, clean_spaces=False),
+    "smollm": PreTokenizer(_STARCODER, clean_spaces=False),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2"), _QWEN2_PRE),
+    "megrez": PreTokenizer((_QWEN2,)),
+    "stablelm2": PreTokenizer((_QWEN2,)),
+    "qwen35": PreTokenizer((_QWEN35,), clean_spaces=False),
+}
+
+
+class BytePairSegmenter:
+    """Turns plain text into ids the way llama.cpp's BPE tokenizer does."""
+
+    def __init__(self, vocab: Vocabulary) -> None:
+        if vocab.pre not in PRE_TOKENIZERS:
+            raise ValueError(f"unsupported pre-tokenizer {vocab.pre!r} (tokenizer.ggml.pre); "
+                             f"supported: {', '.join(sorted(p for p in PRE_TOKENIZERS if p))}")
+        pre = PRE_TOKENIZERS[vocab.pre]
+        self.clean_spaces = pre.clean_spaces
+        self.add_bos_default = pre.add_bos
+        model = models.BPE(vocab=dict(vocab.token_to_id), merges=_usable_merges(vocab),
+                           ignore_merges=pre.ignore_merges)
+        self._tokenizer = Tokenizer(model)
+        self._tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
+            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+    def encode(self, text: str, after_special: bool) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def _usable_merges(vocab: Vocabulary) -> list[tuple[str, str]]:
+    """Merges as (left, right) pairs in rank order; the first of duplicate pairs keeps its rank.
+
+    Like llama.cpp, the split is at the first space after the first character. A merge whose parts or result
+    are not tokens can never produce a token, and tokenizers refuses it, so it is left out.
+    """
+    known = vocab.token_to_id
+    seen: set[tuple[str, str]] = set()
+    pairs = []
+    for merge in vocab.merges:
+        cut = merge.find(" ", 1)
+        pair = (merge[:cut], merge[cut + 1:])
+        if cut < 0 or pair in seen or pair[0] not in known or pair[1] not in known or "".join(pair) not in known:
+            continue
+        seen.add(pair)
+        pairs.append(pair)
+    return pairs
