@@ -163,7 +163,7 @@ class Backend:
         if key not in self._placeholders:
             buffer = ggml_backend.dummy_buffer(device.buffer_type)
             self._placeholders[key] = buffer
-            self._buffers.append(buffer)
+            self._buffers.append((device, buffer))
         return self._placeholders[key]
 
     def allocate_tensor(self, device: Device, layer: int | None, handle) -> None:
@@ -176,7 +176,7 @@ class Backend:
         buffer = ggml_backend.alloc_buffer(device.buffer_type, size) if self._within_limit(device) else None
         if buffer is None:
             raise NoMemory(self.memory)
-        self._buffers.append(buffer)
+        self._buffers.append((device, buffer))
         ggml_backend.place_tensor(buffer, handle)
         ggml_backend.clear_buffer(buffer, 0)
 
@@ -215,7 +215,7 @@ class Backend:
             if buffer is None:
                 raise NoMemory(self.memory)
             ggml_backend.mark_weights(buffer)
-            self._buffers.append(buffer)
+            self._buffers.append((device, buffer))
 
     def get(self, name: str) -> Tensor | None:
         return self.weights.get(name)
@@ -246,6 +246,16 @@ class Backend:
             over = not all(self._within_limit(d) for d in self.compute_devices)
             if over or not self.scheduler.reserve(graph):
                 raise NoMemory(self.memory)
+
+    def allocated(self) -> dict[str, int]:
+        """Bytes really allocated per device name (buffers and compute buffers), to check the report against."""
+        totals = {device.name: 0 for device in (self.cpu, *self.gpus)}
+        for device, buffer in self._buffers:
+            totals[device.name] += ggml_backend.buffer_size(buffer)
+        if self.scheduler is not None:
+            for device, size in zip(self.compute_devices, self.scheduler.buffer_sizes(), strict=True):
+                totals[device.name] += size
+        return totals
 
     def new_context(self, max_nodes: int | None = None):
         from .context import Context
@@ -296,7 +306,7 @@ class Backend:
         for backend in self._backends:
             ggml_backend.free_backend(backend)
         self._backends = []
-        for buffer in self._buffers:
+        for _, buffer in self._buffers:
             ggml_backend.free_buffer(buffer)
         self._buffers = []
         self._placeholders = {}

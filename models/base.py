@@ -1,0 +1,120 @@
+"""What every architecture builds on: weights declared by GGUF name, hyper-parameters, the registry.
+
+A model lists its weights as dataclass fields, each tied to a GGUF tensor name:
+
+    @dataclass
+    class Layer:
+        attn_norm: Tensor = weight("attn_norm.weight")
+        q_bias: Tensor | None = weight("attn_q.bias", optional=True)
+
+and `bind(Layer, backend, "blk.3.")` fills them from the backend. A missing required tensor is an
+error that names it, so a file that does not fit its architecture fails at load, not mid-graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from ollama_engine.fs import Config
+from ollama_engine.kvcache import Batch, Cache
+from ollama_engine.ml import Backend, Context, Tensor
+from ollama_engine.tokenizer import Tokenizer
+
+T = TypeVar("T")
+
+
+class ModelError(ValueError):
+    """A GGUF file this engine cannot run: unknown architecture, missing tensor or hyper-parameter."""
+
+
+def weight(name: str, *, optional: bool = False) -> Any:
+    """A dataclass field holding the tensor `name` (relative to the prefix given to bind())."""
+    return dataclasses.field(metadata={"gguf": name, "optional": optional})
+
+
+def bind(cls: type[T], backend: Backend, prefix: str = "") -> T:
+    """An instance of the dataclass `cls` whose fields are the backend's tensors of those names."""
+    values: dict[str, Tensor | None] = {}
+    for field in dataclasses.fields(cls):  # type: ignore[arg-type]
+        name = prefix + field.metadata["gguf"]
+        tensor = backend.get(name)
+        if tensor is None and not field.metadata["optional"]:
+            source = backend.model.path if backend.model is not None else "the backend"
+            raise ModelError(f"{source}: model is missing required tensor {name}")
+        values[field.name] = tensor
+    return cls(**values)
+
+
+def require_uint(config: Config, key: str) -> int:
+    """A hyper-parameter without which the model cannot be built."""
+    if key not in config:
+        raise ModelError(f"model is missing required hyper-parameter {config.full_key(key)}")
+    value = config.get_uint(key, -1)
+    if value < 0:
+        raise ModelError(f"hyper-parameter {config.full_key(key)} must be a non-negative integer, got "
+                         f"{config.value(key)!r}")
+    return value
+
+
+class Model:
+    """A text model: its backend, tokenizer and cache, and the graph of one forward pass.
+
+    `forward` returns the logits (vocab, len(batch.outputs)) of the rows batch.outputs lists, or None
+    for a batch that asks for none (its keys and values are still stored). The caller starts the
+    cache's forward pass first (see ollama_engine.models.forward).
+    """
+
+    cache: Cache | None
+
+    def __init__(self, backend: Backend, tokenizer: Tokenizer | None):
+        if backend.model is None:
+            raise ValueError("a model needs a backend built from a GGUF file")
+        self.backend = backend
+        self.config = backend.model.config
+        self.tokenizer = tokenizer
+
+    def forward(self, ctx: Context, batch: Batch) -> Tensor | None:
+        raise NotImplementedError
+
+    def shift(self, ctx: Context, layer: int, key: Tensor, delta: Tensor) -> Tensor:
+        """The stored `key` of `layer` moved by `delta` positions (I32, one per cell): RoPE by the delta."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        if self.cache is not None:
+            self.cache.close()
+        self.backend.close()
+
+
+ModelFactory = Callable[[Backend, Tokenizer | None], Model]
+REGISTRY: dict[str, ModelFactory] = {}
+
+
+def register(*names: str) -> Callable[[type[Model]], type[Model]]:
+    """Class decorator: the architecture names (general.architecture, or `<arch>_embed`) it serves."""
+
+    def add(cls: type[Model]) -> type[Model]:
+        for name in names:
+            if name in REGISTRY:
+                raise ValueError(f"architecture {name} is registered twice")
+            REGISTRY[name] = cls
+        return cls
+
+    return add
+
+
+def registry_name(config: Config) -> str:
+    """general.architecture, with `_embed` for a pooling (embedding) model."""
+    arch = config.architecture()
+    if not arch:
+        raise ModelError("the file has no general.architecture")
+    return f"{arch}_embed" if config.get_uint("pooling_type", 0) != 0 else arch
+
+
+def model_class(config: Config) -> ModelFactory:
+    name = registry_name(config)
+    if name not in REGISTRY:
+        raise ModelError(f"unknown model architecture: {name!r} (supported: {', '.join(sorted(REGISTRY))})")
+    return REGISTRY[name]

@@ -1,0 +1,70 @@
+"""The `ollama-engine` command. Output meant for people goes to stdout; logs go to stderr."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def configure_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.WARNING,
+        stream=sys.stderr,
+        format="time=%(asctime)s level=%(levelname)s source=%(name)s msg=%(message)r",
+    )
+
+
+def devices_command(args: argparse.Namespace) -> int:
+    from ollama_engine import ggml
+    from ollama_engine.ml import devices
+    from ollama_engine.ml.memory import human_bytes2
+
+    print(f"ggml {ggml.version()}")
+    for device in devices():
+        print(f"{device.library:>6} {device.id:<14} {device.name:<10} {device.kind:<5} "
+              f"{human_bytes2(device.free_memory()):>10} free of {human_bytes2(device.total_memory):>10}  "
+              f"{device.description}")
+    return 0
+
+
+def demo_command(args: argparse.Namespace) -> int:
+    """Until the runner and the planner exist: a smoke run of the engine on the devices present."""
+    import numpy as np
+
+    from ollama_engine.ml import Backend
+
+    devices_command(args)
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((64, 256), dtype=np.float32), rng.standard_normal((32, 256), dtype=np.float32)
+    with Backend(None) as backend, backend.new_context() as ctx:
+        out = ctx.from_numpy(a).matmul(ctx.from_numpy(b))
+        ctx.compute(out)
+        error = float(np.abs(out.numpy() - b @ a.T).max())
+    print(f"smoke test: a 64x256 by 256x32 matmul through ggml_backend_sched, max error {error:.2e}")
+    return 0 if error < 1e-3 else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ollama-engine", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logs on stderr")
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("devices", help="list the ggml devices and their memory").set_defaults(run=devices_command)
+    demo = commands.add_parser("demo", help="the end-to-end demo")
+    demo.add_argument("--model", help="a GGUF file (default: a generated synthetic model)")
+    demo.set_defaults(run=demo_command)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.verbose)
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as err:  # the command line reports, it does not dump a traceback
+        if args.verbose:
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        return 1

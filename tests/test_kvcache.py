@@ -1,0 +1,521 @@
+"""KV cache: a port of Ollama's kvcache/causal_test.go (f63eea3d) on real ggml tensors, plus shift,
+padding, graph reuse, the Wrapper and the attention helper.
+
+Every Ollama case runs with and without permuted V; like the Go harness it puts the same tensor as key
+and value and checks the key history, its shape and the mask (x = -inf), and here the value too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from ollama_engine.kvcache import (
+    Batch,
+    CacheConfig,
+    CacheFullError,
+    Causal,
+    ShiftError,
+    Wrapper,
+    attention,
+    cache_dtype,
+)
+
+from ollama_engine.fs import GGUFFile
+from ollama_engine.fs.synthetic import write_synthetic
+from ollama_engine.ml import Backend, DType
+
+PERMUTED = pytest.mark.parametrize("permuted_v", [False, True], ids=["plain-v", "permuted-v"])
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory):
+    return write_synthetic(tmp_path_factory.mktemp("kvcache") / "tiny-llama.gguf", "llama")
+
+
+@pytest.fixture(scope="module")
+def backend(model_path):
+    with Backend(GGUFFile.open(model_path)) as b:
+        yield b
+
+
+@pytest.fixture(scope="module")
+def fa_backend(model_path):
+    with Backend(GGUFFile.open(model_path), flash_attention=True) as b:
+        yield b
+
+
+def add_shift(ctx, layer, key, delta):
+    """The Go test's shift function: add the position delta to every element of the key."""
+    return key.add(delta.cast(DType.F32).reshape(1, 1, delta.shape[0]))
+
+
+def identity_shift(ctx, layer, key, delta):
+    return key
+
+
+def new_cache(backend: Backend, cache: Causal, permuted_v: bool, max_sequences: int = 1, max_batch: int = 16,
+              capacity: int = 16) -> Causal:
+    cache.set_config(CacheConfig(permuted_v=permuted_v))
+    cache.init(backend, DType.F16, max_sequences, capacity, max_batch)
+    return cache
+
+
+def mask_rows(*rows: str) -> np.ndarray:
+    """'0 x x' rows, one per batch token, as the float mask (x = -inf)."""
+    return np.array([[-np.inf if c == "x" else 0.0 for c in row.split()] for row in rows], dtype=np.float32)
+
+
+@dataclass
+class Step:
+    values: list[float]
+    shape: tuple[int, ...]  # ggml order: (head_dim, kv_heads, batch)
+    sequences: list[int]
+    positions: list[int]
+    out: list[float]
+    out_shape: tuple[int, ...]
+    mask: np.ndarray
+    value_out: list[float] | None = None  # values are never shifted: differs from `out` after a shift
+
+
+def forward(backend: Backend, cache: Causal, values, shape, sequences, positions):
+    """One forward pass as the Go harness does it: store the batch, read back key, value and mask."""
+    with backend.new_context() as ctx:
+        cache.start_forward(ctx, Batch(positions=positions, sequences=sequences))
+        cache.set_layer(0)
+        tensor = ctx.input().from_numpy(np.asarray(values, dtype=np.float32).reshape(shape[::-1]))
+        cache.put(ctx, tensor, tensor)
+        key, value, mask = cache.get(ctx)
+        packed_value = value.contiguous()
+        ctx.compute(key, packed_value, mask)
+        value_data = packed_value.numpy().reshape(packed_value.ne[2::-1])
+        if cache.config.permuted_v:  # (kv_heads, head_dim, history) -> (history, kv_heads, head_dim)
+            value_data = value_data.transpose(2, 0, 1)
+        return key.numpy().reshape(key.ne[2::-1]), key.shape, value_data, mask.numpy().reshape(len(positions), -1)
+
+
+def run(backend: Backend, cache: Causal, *steps: Step) -> None:
+    for step in steps:
+        key, shape, value, mask = forward(backend, cache, step.values, step.shape, step.sequences, step.positions)
+        assert shape == step.out_shape
+        np.testing.assert_array_equal(key.reshape(-1), np.asarray(step.out, dtype=np.float16))
+        value_out = step.out if step.value_out is None else step.value_out
+        np.testing.assert_array_equal(value.reshape(-1), np.asarray(value_out, dtype=np.float16))
+        np.testing.assert_array_equal(mask, step.mask)
+
+
+def vector(values: list[float], sequences: list[int], positions: list[int], out: list[float],
+           *mask: str) -> Step:
+    """A step whose tokens are single numbers (shape (1, 1, n)), as in all but TestStore."""
+    return Step(values, (1, 1, len(values)), sequences, positions, out, (1, 1, len(out)), mask_rows(*mask))
+
+
+# ---------------------------------------------------------------- causal_test.go
+
+
+@PERMUTED
+def test_store(backend, permuted_v):
+    cache = new_cache(backend, Causal(), permuted_v)
+    first = [100 * (d + 1) + 10 * (h + 1) + t + 1 for t in range(4) for h in range(3) for d in range(2)]
+    second = [100 * (d + 1) + 10 * (h + 1) + 5 for h in range(3) for d in range(2)]
+    assert first[:6] == [111, 211, 121, 221, 131, 231]
+    run(
+        backend, cache,
+        Step(first, (2, 3, 4), [0] * 4, [0, 1, 2, 3], first, (2, 3, 4),
+             mask_rows("0 x x x", "0 0 x x", "0 0 0 x", "0 0 0 0")),
+        Step(second, (2, 3, 1), [0], [4], first + second, (2, 3, 5), mask_rows("0 0 0 0 0")),
+    )
+
+
+@PERMUTED
+def test_swa(backend, permuted_v):
+    cache = new_cache(backend, Causal(window_size=1), permuted_v)
+    assert cache.cells == 17
+    run(
+        backend, cache,
+        vector([1, 2, 3, 4], [0] * 4, [0, 1, 2, 3], [1, 2, 3, 4], "0 x x x", "0 0 x x", "x 0 0 x", "x x 0 0"),
+        vector([5, 6], [0, 0], [4, 5], [5, 6, 3, 4], "0 x x 0", "0 0 x x"),
+    )
+
+
+@PERMUTED
+def test_swa_separate_batches(backend, permuted_v):
+    cache = new_cache(backend, Causal(window_size=1), permuted_v, max_sequences=2, max_batch=2)
+    assert cache.cells == 6
+    run(
+        backend, cache,
+        vector([1, 2], [0, 0], [0, 1], [1, 2], "0 x", "0 0"),
+        vector([3, 4], [0, 0], [2, 3], [2, 3, 4], "0 0 x", "x 0 0"),
+        vector([5, 6], [1, 1], [0, 1], [5, 6], "0 x", "0 0"),
+        vector([7, 8], [1, 1], [2, 3], [6, 3, 4, 7, 8], "0 x x 0 x", "x x x 0 0"),
+        vector([9, 10], [0, 0], [4, 5], [9, 10, 3, 4], "0 x x 0", "0 0 x x"),
+    )
+
+
+@PERMUTED
+def test_swa_mem(backend, permuted_v):
+    cache = new_cache(backend, Causal(window_size=1, memory_size=3), permuted_v)
+    run(
+        backend, cache,
+        vector([1, 2, 3, 4], [0] * 4, [0, 1, 2, 3], [1, 2, 3, 4], "0 x x x", "0 0 x x", "x 0 0 x", "x x 0 0"),
+        vector([5, 6], [0, 0], [4, 5], [5, 2, 3, 4, 6], "0 x x 0 x", "0 x x x 0"),
+    )
+
+
+@PERMUTED
+def test_chunked_attention(backend, permuted_v):
+    cache = new_cache(backend, Causal(chunk_size=2), permuted_v)
+    run(
+        backend, cache,
+        vector([1, 2, 3, 4], [0] * 4, [0, 1, 2, 3], [1, 2, 3, 4], "0 x x x", "0 0 x x", "x x 0 x", "x x 0 0"),
+        vector([5, 6, 7], [0] * 3, [4, 5, 6], [1, 2, 3, 4, 5, 6, 7],
+               "x x x x 0 x x", "x x x x 0 0 x", "x x x x x x 0"),
+        vector([8, 9], [0, 0], [7, 8], [1, 2, 3, 4, 5, 6, 7, 8, 9],
+               "x x x x x x 0 0 x", "x x x x x x x x 0"),
+    )
+
+
+SEQUENCES_FIRST = vector([1, 2, 3, 4], [0, 0, 1, 1], [0, 1, 0, 1], [1, 2, 3, 4], "0 x x x", "0 0 x x", "x x 0 x",
+                         "x x 0 0")
+
+
+@PERMUTED
+def test_sequences(backend, permuted_v):
+    cache = new_cache(backend, Causal(), permuted_v)
+    run(
+        backend, cache, SEQUENCES_FIRST,
+        vector([5, 6], [0, 1], [2, 2], [1, 2, 3, 4, 5, 6], "0 0 x x 0 x", "x x 0 0 x 0"),
+    )
+
+
+@PERMUTED
+def test_remove(backend, permuted_v):
+    cache = new_cache(backend, Causal(add_shift), permuted_v)
+    run(backend, cache, SEQUENCES_FIRST)
+    cache.remove(0, 1)
+    run(backend, cache, vector([5, 6], [0, 1], [1, 2], [1, 5, 3, 4, 6], "0 0 x x x", "x x 0 0 0"))
+    cache.remove(0, 0, 1)  # position 1 (key 5) moves to 0 and is shifted by -1
+    middle = vector([7, 8], [0, 0], [1, 2], [7, 4, 3, 4, 6, 8], "0 0 x x x x", "0 0 x x x 0")
+    middle.value_out = [7, 5, 3, 4, 6, 8]
+    run(backend, cache, middle)
+
+
+@PERMUTED
+def test_copy(backend, permuted_v):
+    cache = new_cache(backend, Causal(identity_shift), permuted_v)
+    run(backend, cache, vector([1, 2, 3, 4], [0] * 4, [0, 1, 2, 3], [1, 2, 3, 4],
+                               "0 x x x", "0 0 x x", "0 0 0 x", "0 0 0 0"))
+    cache.copy_prefix(0, 1, 2)
+    run(backend, cache, vector([5, 6], [1, 1], [3, 4], [1, 2, 3, 4, 5, 6], "0 0 x x 0 x", "0 0 x x 0 0"))
+
+
+def store(backend: Backend, cache: Causal, positions: list[int], seq: int = 0) -> None:
+    forward(backend, cache, [float(p) for p in positions], (1, 1, len(positions)), [seq] * len(positions),
+            positions)
+
+
+@PERMUTED
+def test_can_resume(backend, permuted_v):
+    cache = new_cache(backend, Causal(window_size=4), permuted_v)
+    store(backend, cache, [0, 1, 2, 3, 4])
+    assert all(cache.can_resume(0, p) for p in range(5))
+    store(backend, cache, [5])
+    assert not any(cache.can_resume(0, p) for p in range(5))
+    assert cache.can_resume(0, 5)
+
+
+@PERMUTED
+def test_can_resume_swa_mem(backend, permuted_v):
+    cache = new_cache(backend, Causal(window_size=4, memory_size=5), permuted_v)
+    store(backend, cache, [0, 1, 2, 3, 4, 5, 6])
+    store(backend, cache, [7])
+    assert not any(cache.can_resume(0, p) for p in range(6))
+    assert cache.can_resume(0, 6) and cache.can_resume(0, 7)
+
+
+# ---------------------------------------------------------------- beyond the Go table
+
+
+def test_can_resume_unlimited_and_unknown(backend):
+    assert new_cache(backend, Causal(), False).can_resume(3, 100)
+    swa = new_cache(backend, Causal(window_size=4), False)
+    assert not swa.can_resume(0, 0)  # nothing stored for the sequence
+
+
+def test_init_validation(backend):
+    with pytest.raises(ValueError, match=r"sliding window memory \(2\) must be at least as large as the window \(3\)"):
+        Causal(window_size=3, memory_size=2)
+    with pytest.raises(ValueError, match="needs flash attention"):
+        Causal().init(backend, DType.Q8_0, 1, 16, 16)  # the CPU backend without FA wants permuted V
+    with pytest.raises(ValueError, match="unsupported kv cache type"):
+        Causal().init(backend, DType.Q4_K, 1, 16, 16)
+    cache = new_cache(backend, Causal(), False)
+    with pytest.raises(RuntimeError, match="cannot be changed"):
+        cache.set_config(CacheConfig())
+    with pytest.raises(RuntimeError, match="start_forward"):
+        cache.get(backend.new_context())
+
+
+def test_cache_dtype_names():
+    assert cache_dtype("") == DType.F16
+    assert [cache_dtype(n) for n in ("f16", "Q8_0", "q4_0", "f32")] == [DType.F16, DType.Q8_0, DType.Q4_0, DType.F32]
+    with pytest.raises(ValueError, match="unsupported kv cache type 'q5_1'"):
+        cache_dtype("q5_1")
+
+
+def test_batch_validation():
+    batch = Batch(positions=[0, 1], sequences=[0, 0], outputs=[1], tokens=[5, 6])
+    assert len(batch) == 2 and batch.positions.dtype == np.int32 and batch.outputs.tolist() == [1]
+    with pytest.raises(ValueError, match="2 positions but 1 sequences"):
+        Batch(positions=[0, 1], sequences=[0])
+    with pytest.raises(ValueError, match="outputs"):
+        Batch(positions=[0], sequences=[0], outputs=[1])
+    with pytest.raises(ValueError, match="tokens"):
+        Batch(positions=[0], sequences=[0], tokens=[1, 2])
+
+
+def test_backend_config_and_memory_accounting(backend):
+    cache = Causal()
+    cache.init(backend, DType.F16, 2, 100, 8)
+    assert cache.config == CacheConfig(padding=256, permuted_v=True)
+    assert cache.cells == 256  # 2 * 100 rounded up to the padding
+    before = backend.memory.cpu.cache[1]
+    with backend.new_context() as ctx:
+        cache.start_forward(ctx, Batch(positions=[0], sequences=[0]))
+        cache.set_layer(1)
+        kv = ctx.input().from_numpy(np.ones((1, 2, 8), dtype=np.float32))  # (8, 2, 1): head_dim 8, 2 heads
+        cache.put(ctx, kv, kv)
+    # key and value of layer 1, each 8 * 2 * 256 F16 values, are charged to layer 1's KV cache
+    assert backend.memory.cpu.cache[1] - before >= 2 * 8 * 2 * 256 * 2
+
+
+def test_cache_full(backend):
+    cache = new_cache(backend, Causal(), False, capacity=4, max_batch=4)
+    store(backend, cache, [0, 1, 2])
+    with pytest.raises(CacheFullError, match=r"could not find a kv cache slot \(cache: 4 batch: 2\)"):
+        store(backend, cache, [3, 4])
+
+
+def test_reserve_leaves_bookkeeping(backend):
+    cache = new_cache(backend, Causal(), False)
+    store(backend, cache, [0, 1])
+    layout = cache.prepare(Batch(positions=list(range(16)), sequences=[0] * 16), reserve=True)
+    assert layout == (16, 0, cache.cells)  # the whole cache is the worst-case history
+    key, *_ = forward(backend, cache, [5.0], (1, 1, 1), [0], [2])
+    np.testing.assert_array_equal(key.reshape(-1), [0, 1, 5])  # the reserve batch stored nothing
+
+
+def test_remove_errors(backend):
+    cache = new_cache(backend, Causal(add_shift), False)
+    store(backend, cache, [0, 1, 2, 3])
+    cache.copy_prefix(0, 1, 4)  # every cell is now shared
+    with pytest.raises(ShiftError, match="shifting cells shared by multiple sequences not supported"):
+        cache.remove(0, 1, 2)
+    cache.remove(1, 0)  # removing to the end never fails ...
+    cache.remove(0, 1, 2)  # ... and once nothing is shared the shift works
+    key, *_ = forward(backend, cache, [9.0], (1, 1, 1), [0], [3])
+    np.testing.assert_array_equal(key.reshape(-1), [0, 9, 1, 2])  # keys 2, 3 moved to positions 1, 2
+
+    no_shift = new_cache(backend, Causal(), False)
+    store(backend, no_shift, [0, 1, 2])
+    with pytest.raises(ShiftError, match="model does not support operation"):
+        no_shift.remove(0, 0, 1)
+    no_shift.remove(0, 1, 5)  # nothing after the end moves: no shift needed
+    key, _, _, mask = forward(backend, no_shift, [7.0], (1, 1, 1), [0], [1])
+    np.testing.assert_array_equal(key.reshape(-1), [0, 7])  # cell 1 reused; cell 2 is no longer seq 0's
+    np.testing.assert_array_equal(mask, mask_rows("0 0"))
+
+
+def test_shift_in_chunks_across_layers(backend):
+    """Keys of every layer are shifted, max_batch cells per graph; values are left alone."""
+    cache = new_cache(backend, Causal(add_shift), False, max_batch=2)
+    values = [10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0]
+    with backend.new_context() as ctx:
+        cache.start_forward(ctx, Batch(positions=range(7), sequences=[0] * 7))
+        for layer in range(2):
+            cache.set_layer(layer)
+            kv = ctx.input().from_numpy(np.asarray(values, dtype=np.float32).reshape(7, 1, 1) * (layer + 1))
+            cache.put(ctx, kv, kv)
+        ctx.compute()
+    cache.remove(0, 1, 3)  # positions 3..6 (cells 3..6) move down by 2
+    with backend.new_context() as ctx:
+        cache.start_forward(ctx, Batch(positions=[5], sequences=[0]))
+        outputs = []
+        for layer in range(2):
+            cache.set_layer(layer)
+            kv = ctx.input().from_numpy(np.full((1, 1, 1), 1.0, dtype=np.float32))
+            cache.put(ctx, kv, kv)
+            key, value, mask = cache.get(ctx)
+            outputs += [key, value]
+        ctx.compute(*outputs, mask)
+        for layer in range(2):
+            scale = layer + 1
+            # cell 1 holds the new token, cell 2 is free (stale, masked), cells 3..6 moved down by 2
+            expected_keys = [10 * scale, 1, 30 * scale] + [v * scale - 2 for v in values[3:]]
+            np.testing.assert_array_equal(outputs[2 * layer].numpy().reshape(-1), expected_keys)
+            np.testing.assert_array_equal(outputs[2 * layer + 1].numpy().reshape(-1),
+                                          [10 * scale, 1, 30 * scale] + [v * scale for v in values[3:]])
+        np.testing.assert_array_equal(mask.numpy().reshape(1, -1), mask_rows("0 0 x 0 0 0 0"))
+
+
+def test_rope_shift_matches_new_positions(backend):
+    """With a RoPE shift function, shifted keys equal keys rotated at their new positions."""
+    head_dim, heads, n = 8, 2, 6
+
+    def rope(key, positions):
+        return key.rope(positions, head_dim, 10000.0)
+
+    cache = new_cache(backend, Causal(lambda ctx, layer, key, delta: rope(key, delta)), False)
+    cache.set_layer(0)
+    raw = np.random.default_rng(0).standard_normal((n, heads, head_dim)).astype(np.float32)
+    with backend.new_context() as ctx:
+        cache.start_forward(ctx, Batch(positions=range(n), sequences=[0] * n))
+        key = rope(ctx.input().from_numpy(raw), ctx.input().from_ints(range(n), n))
+        cache.put(ctx, key, key)
+        ctx.compute()
+    cache.remove(0, 1, 3)
+    with backend.new_context() as ctx:
+        cache.start_forward(ctx, Batch(positions=[4], sequences=[0]))
+        kept = raw[[0, 3, 4, 5]]
+        expected = rope(ctx.input().from_numpy(kept), ctx.input().from_ints([0, 1, 2, 3], 4)).contiguous()
+        zero = ctx.input().from_numpy(np.zeros((1, heads, head_dim), dtype=np.float32))
+        cache.put(ctx, zero, zero)
+        stored, _, _ = cache.get(ctx)
+        ctx.compute(stored, expected)
+        np.testing.assert_allclose(stored.numpy()[[0, 3, 4, 5]], expected.numpy(), atol=2e-3)
+
+
+def test_set_causal_exceptions(backend):
+    cache = new_cache(backend, Causal(), False)
+    with backend.new_context() as ctx:
+        cache.start_forward(ctx, Batch(positions=[0, 1, 2], sequences=[0, 0, 0]))
+        cache.set_causal(ctx, [1])  # e.g. an image token that sees the whole batch
+        cache.set_layer(0)
+        kv = ctx.input().from_numpy(np.zeros((3, 1, 1), dtype=np.float32))
+        cache.put(ctx, kv, kv)
+        _, _, mask = cache.get(ctx)
+        ctx.compute(mask)
+        np.testing.assert_array_equal(mask.numpy(), mask_rows("0 x x", "0 0 0", "0 0 0"))
+    _, _, _, mask = forward(backend, cache, [9.0], (1, 1, 1), [0], [3])  # a new batch is causal again
+    np.testing.assert_array_equal(mask, mask_rows("0 0 0 0"))
+
+
+def test_padding_and_graph_reuse(backend):
+    """A padded history keeps the layout across decode steps, so one built graph serves them all."""
+    cache = Causal()
+    cache.set_config(CacheConfig(padding=256))
+    cache.init(backend, DType.F16, 1, 300, 4)
+    assert cache.cells == 512
+    store(backend, cache, [0, 1, 2])
+    ctx = backend.new_context()
+    try:
+        layout = cache.prepare(Batch(positions=[3], sequences=[0]))
+        assert layout == (1, 0, 256)
+        cache.bind(ctx)
+        cache.set_layer(0)
+        token = np.full((1, 1, 1), 30.0, dtype=np.float32)
+        kv = ctx.input().from_numpy(token)
+        cache.put(ctx, kv, kv)
+        key, _, mask = cache.get(ctx)
+        ctx.compute(key, mask)
+        np.testing.assert_array_equal(key.numpy().reshape(-1)[:5], [0, 1, 2, 30, 0])
+        assert key.shape == (1, 1, 256) and mask.ne[:2] == (256, 1)
+
+        # next step: same layout, so only the inputs change and the same graph is computed again
+        assert cache.prepare(Batch(positions=[4], sequences=[0])) == layout
+        cache.bind(ctx)
+        token[...] = 40.0
+        ctx.compute(key, mask)
+        np.testing.assert_array_equal(key.numpy().reshape(-1)[:6], [0, 1, 2, 30, 40, 0])
+        np.testing.assert_array_equal(mask.numpy().reshape(-1)[:6], [0, 0, 0, 0, 0, -np.inf])
+    finally:
+        ctx.close()
+
+
+def test_wrapper(backend):
+    swa, full = Causal(window_size=1), Causal()
+    wrapper = Wrapper(swa, full)
+    wrapper.set_config(CacheConfig())
+    wrapper.init(backend, DType.F16, 1, 16, 16)
+    with backend.new_context() as ctx:
+        wrapper.start_forward(ctx, Batch(positions=[0, 1, 2], sequences=[0, 0, 0]))
+        outputs = []
+        for layer_type in (0, 1):
+            wrapper.set_layer(0)
+            wrapper.set_layer_type(layer_type)
+            assert wrapper.underlying() is (swa, full)[layer_type]
+            kv = ctx.input().from_numpy(np.asarray([1.0, 2.0, 3.0], dtype=np.float32).reshape(3, 1, 1))
+            wrapper.put(ctx, kv, kv)
+            outputs.append(wrapper.get(ctx)[2])
+        ctx.compute(*outputs)
+        np.testing.assert_array_equal(outputs[0].numpy(), mask_rows("0 x x", "0 0 x", "x 0 0"))
+        np.testing.assert_array_equal(outputs[1].numpy(), mask_rows("0 x x", "0 0 x", "0 0 0"))
+    assert full.can_resume(0, 5) and not swa.can_resume(0, 5)
+    assert wrapper.can_resume(0, 3) and not wrapper.can_resume(0, 5)  # every cache must agree
+
+
+def test_wrapper_unwinds_on_failure(backend):
+    small, large = Causal(), Causal()
+    wrapper = Wrapper(large, small)
+    large.set_config(CacheConfig())
+    small.set_config(CacheConfig())
+    large.init(backend, DType.F16, 1, 16, 4)
+    small.init(backend, DType.F16, 1, 2, 4)
+    with pytest.raises(CacheFullError):
+        wrapper.prepare(Batch(positions=[0, 1, 2], sequences=[0, 0, 0]))
+    assert large.prepare(Batch(positions=[0], sequences=[0]))[2] == 1  # the first cache was emptied again
+
+
+def reference_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+    """Causal GQA attention in numpy; arrays are (tokens, heads, head_dim)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    scores = np.einsum("qhd,khd->hqk", q, k) * scale
+    scores += np.triu(np.full(scores.shape[1:], -np.inf), 1)
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    weights /= weights.sum(axis=-1, keepdims=True)
+    return np.einsum("hqk,khd->qhd", weights, v)
+
+
+@pytest.mark.parametrize(
+    ("flash", "dtype", "max_error", "mean_error"),
+    [(False, DType.F16, 3e-3, 5e-4), (True, DType.F16, 3e-3, 5e-4), (True, DType.Q8_0, 3e-2, 1e-2),
+     (True, DType.Q4_0, 0.4, 0.1), (False, DType.F32, 1e-5, 1e-6)],
+)
+def test_attention_against_numpy(backend, fa_backend, flash, dtype, max_error, mean_error):
+    """A prompt then two more tokens through attention() over the cache, against numpy; the bounds are
+    the rounding of the cache type (4-bit keys and values are coarse)."""
+    engine = fa_backend if flash else backend
+    head_dim, heads, kv_heads, scale = 32, 4, 2, 32**-0.5
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((7, h, head_dim)).astype(np.float32) for h in (heads, kv_heads, kv_heads))
+    cache = Causal()
+    cache.init(engine, dtype, 1, 64, 8)
+    assert cache.config.permuted_v is not flash
+    got = []
+    for batch in (range(0, 5), range(5, 7)):  # a prompt, then two more tokens
+        with engine.new_context() as ctx:
+            cache.start_forward(ctx, Batch(positions=batch, sequences=[0] * len(batch)))
+            cache.set_layer(0)
+            tensors = [ctx.input().from_numpy(a[batch.start : batch.stop]) for a in (q, k, v)]
+            out = attention(ctx, *tensors, scale, cache)
+            ctx.compute(out)
+            assert out.shape == (head_dim, heads, len(batch))
+            got.append(out.numpy())
+    error = np.abs(np.concatenate(got) - reference_attention(q, k, v, scale))
+    assert error.max() < max_error and error.mean() < mean_error
+
+
+@pytest.mark.parametrize("flash", [False, True])
+def test_attention_without_cache(backend, fa_backend, flash):
+    engine = fa_backend if flash else backend
+    rng = np.random.default_rng(2)
+    q, k, v = (rng.standard_normal((3, 2, 16)).astype(np.float32) for _ in range(3))
+    with engine.new_context() as ctx:
+        out = attention(ctx, *(ctx.input().from_numpy(a) for a in (q, k, v)), 0.25)
+        ctx.compute(out)
+        group = np.einsum("qhd,khd->hqk", q, k) * 0.25
+        weights = np.exp(group - group.max(-1, keepdims=True))
+        weights /= weights.sum(-1, keepdims=True)
+        np.testing.assert_allclose(out.numpy(), np.einsum("hqk,khd->qhd", weights, v), atol=2e-3)

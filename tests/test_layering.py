@@ -1,0 +1,74 @@
+"""The layers of DESIGN.md: lower never imports higher; only ollama_engine/ggml touches cffi."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+
+from ollama_engine.paths import REPO_ROOT
+
+# package prefix -> rank; a module imports only from packages of lower or equal rank.
+# fs sits below ml: the backend places the tensors a GGUF file lists.
+LAYERS = [
+    "ollama_engine.ggml", "ollama_engine.fs", "ollama_engine.ml", "ollama_engine.tokenizer",
+    "ollama_engine.kvcache", "ollama_engine.models", "ollama_engine.sample", "ollama_engine.runner",
+    "ollama_engine.server", "ollama_engine.llm", "ollama_engine.sched",
+]
+FOLDERS = {"models": "ollama_engine.models", "kvcache": "ollama_engine.kvcache", "server": "ollama_engine.server"}
+SHARED = {"ollama_engine.paths", "ollama_engine.ml.memory"}  # plain data, importable from anywhere
+
+
+def rank(module: str) -> int | None:
+    for i, layer in enumerate(LAYERS):
+        if module == layer or module.startswith(layer + "."):
+            return i
+    return None
+
+
+def source_modules():
+    for path in sorted(REPO_ROOT.glob("ollama_engine/**/*.py")):
+        yield ".".join(path.relative_to(REPO_ROOT).with_suffix("").parts), path
+    for folder, package in FOLDERS.items():
+        for path in sorted((REPO_ROOT / folder).glob("**/*.py")):
+            yield package + "." + ".".join(path.relative_to(REPO_ROOT / folder).with_suffix("").parts), path
+
+
+def imports(path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module
+
+
+def test_lower_layers_never_import_higher_ones():
+    problems = []
+    for module, path in source_modules():
+        own = rank(module)
+        for target in imports(path):
+            if target.split(".")[0] in FOLDERS:
+                problems.append(f"{path}: bare import of {target}")
+            theirs = rank(target)
+            if own is not None and theirs is not None and theirs > own and target not in SHARED:
+                problems.append(f"{path}: {module} imports higher layer {target}")
+    assert not problems, "\n".join(problems)
+
+
+def test_only_the_ggml_package_touches_cffi():
+    offenders = [
+        str(path) for module, path in source_modules()
+        if not module.startswith("ollama_engine.ggml")
+        and any(t == "cffi" or t.startswith(("cffi.", "_cffi_backend")) or "_ggml_cffi" in t for t in imports(path))
+    ]
+    assert not offenders
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ruff") is None, reason="ruff is not installed")
+def test_ruff_clean():
+    command = [sys.executable, "-m", "ruff", "check", "--quiet", str(REPO_ROOT)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
