@@ -7,7 +7,8 @@ creates the mask and cell-index inputs in ctx), then for every layer the model c
 So that one built graph can serve many decode steps, `start_forward` is also available in two halves:
 `prepare(batch)` updates the cache's bookkeeping and returns the layout (everything the graph's shape
 depends on); when that equals the layout the graph was built for, `bind(ctx)` with the old context
-writes the new mask and cell indices into the tensors that graph already holds.
+writes the new mask and cell indices into the tensors that graph already holds (the Context keeps
+the numpy arrays its inputs were created from and writes them at every compute).
 """
 
 from __future__ import annotations

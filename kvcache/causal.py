@@ -101,7 +101,7 @@ class Causal:
         self._dtype = dtype
         self._max_batch = max_batch
         self._pos = np.zeros(self._cells, dtype=np.int64)
-        self._member = np.zeros((self._cells, max_sequences), dtype=bool)  # [cell, sequence]
+        self._member = np.zeros((max_sequences, self._cells), dtype=bool)  # [sequence, cell]
         self._storage = backend.new_context(2 * (backend.block_count + 1))
         self._keys: dict[int, Tensor] = {}
         self._values: dict[int, Tensor] = {}
@@ -139,21 +139,21 @@ class Causal:
         if n > self._cells:
             raise CacheFullError(f"could not find a kv cache slot (cache: {self._cells} batch: {n})")
         self._ensure_sequences(int(batch.sequences.max()) + 1)
-        self._batch = batch
-        self._reserve = reserve
-        self._except = np.zeros(n, dtype=bool)
+        self._batch = None  # until the batch has its cells
         if reserve:
-            self._locs = np.arange(n, dtype=np.int32)
-            self._start, self._stop = 0, self._cells
+            locs = np.arange(n, dtype=np.int32)
+            start, stop = 0, self._cells
         else:
             low, high = self._history_range(batch)
-            self._locs = self._find_locs(n)
-            self._pos[self._locs] = batch.positions
-            self._member[self._locs] = False
-            self._member[self._locs, batch.sequences] = True
+            locs = self._find_locs(n)
+            self._pos[locs] = batch.positions
+            self._member[:, locs] = False
+            self._member[batch.sequences, locs] = True
             padding = self.config.padding
-            self._start = min(low, int(self._locs[0])) // padding * padding
-            self._stop = math.ceil(max(high, int(self._locs[-1]) + 1) / padding) * padding
+            start = min(low, int(locs[0])) // padding * padding
+            stop = math.ceil(max(high, int(locs[-1]) + 1) / padding) * padding
+        self._batch, self._reserve, self._except = batch, reserve, np.zeros(n, dtype=bool)
+        self._locs, self._start, self._stop = locs, start, stop
         self._mask = self._build_mask()
         return self.layout
 
@@ -232,35 +232,35 @@ class Causal:
     def copy_prefix(self, source: int, destination: int, length: int) -> None:
         self._require_init()
         self._ensure_sequences(max(source, destination) + 1)
-        self._member[:, destination] = self._member[:, source] & (self._pos < length)
+        self._member[destination] = self._member[source] & (self._pos < length)
 
     def can_resume(self, seq: int, position: int) -> bool:
         self._require_init()
         if self._memory is None:
             return True
-        if seq >= self._member.shape[1] or not self._member[:, seq].any():
+        if seq >= len(self._member) or not self._member[seq].any():
             return False
-        stored = self._pos[self._member[:, seq]]
+        stored = self._pos[self._member[seq]]
         return max(0, position - self._window) >= stored.min() and position <= stored.max() + 1
 
     def remove(self, seq: int, begin: int, end: int | None = None) -> None:
         self._require_init()
         if begin < 0 or (end is not None and end < begin):
             raise ValueError(f"cannot remove positions [{begin}, {end}) of sequence {seq}")
-        if seq >= self._member.shape[1]:
+        if seq >= len(self._member):
             return
-        cells = self._member[:, seq].copy()
+        cells = self._member[seq].copy()
         removed = cells & (self._pos >= begin)
         if end is not None:
             removed &= self._pos < end
         # Positions at or after a finite end move down by end - begin; checked before anything changes.
         moved = cells & (self._pos >= end) if end is not None and end > begin else np.zeros_like(cells)
         if moved.any():
-            if (self._member[moved].sum(axis=1) > 1).any():
+            if (self._member[:, moved].sum(axis=0) > 1).any():
                 raise ShiftError("shifting cells shared by multiple sequences not supported")
             if self._shift_fn is None:
                 raise ShiftError("model does not support operation")
-        self._member[removed, seq] = False
+        self._member[seq, removed] = False
         if moved.any():
             self._pos[moved] += begin - end
             self._shift_keys(moved, begin - end)
@@ -302,10 +302,10 @@ class Causal:
             raise RuntimeError("the batch is not bound to this context: call start_forward() (or bind()) with it")
 
     def _ensure_sequences(self, count: int) -> None:
-        """Sequence ids index the membership columns; grow them for a sequence not seen before."""
-        extra = count - self._member.shape[1]
+        """Sequence ids index the membership rows; add rows for a sequence id not seen before."""
+        extra = count - len(self._member)
         if extra > 0:
-            self._member = np.concatenate([self._member, np.zeros((self._cells, extra), dtype=bool)], axis=1)
+            self._member = np.concatenate([self._member, np.zeros((extra, self._cells), dtype=bool)])
 
     def _history_range(self, batch: Batch) -> tuple[int, int]:
         """The cells [low, high) the batch's sequences may attend to; evicts cells beyond the memory."""
@@ -313,30 +313,30 @@ class Causal:
 
         def include(cells: np.ndarray) -> None:
             nonlocal low, high
-            if cells.size:
-                low, high = min(low, int(cells[0])), max(high, int(cells[-1]) + 1)
+            if cells.any():
+                low = min(low, int(cells.argmax()))
+                high = max(high, len(cells) - int(cells[::-1].argmax()))
 
         batch_sequences = np.unique(batch.sequences)
         if self._memory is None:
             for seq in batch_sequences:
-                include(np.flatnonzero(self._member[:, seq]))
+                include(self._member[seq])
             return low, high
 
         # The lowest position each sequence still needs: the batch's first token for the sequences in
         # it, the position after the last stored one for the others.
         lowest = {int(s): int(batch.positions[batch.sequences == s].min()) for s in batch_sequences}
-        for seq in np.flatnonzero(self._member.any(axis=0)):
-            seq = int(seq)
+        for seq in np.flatnonzero(self._member.any(axis=1)).tolist():
             in_batch = seq in lowest
-            cells = self._member[:, seq]
+            cells = self._member[seq]
             first = lowest[seq] if in_batch else int(self._pos[cells].max()) + 1
-            self._member[cells & (self._pos < first - self._memory), seq] = False
+            cells &= self._pos >= first - self._memory  # in place: evicts from the bookkeeping
             if in_batch:
-                include(np.flatnonzero(self._member[:, seq] & (self._pos >= first - self._window)))
+                include(cells & (self._pos >= first - self._window))
         return low, high
 
     def _find_locs(self, n: int) -> np.ndarray:
-        free = np.flatnonzero(~self._member.any(axis=1))
+        free = np.flatnonzero(~self._member.any(axis=0))
         if free.size < n:
             raise CacheFullError(f"could not find a kv cache slot (cache: {self._cells} batch: {n})")
         return free[:n].astype(np.int32)
@@ -348,7 +348,7 @@ class Causal:
         if self._reserve:
             return np.zeros((len(batch), self._stop - self._start), dtype=dtype)  # only sized, never read
         cell_pos = self._pos[self._start : self._stop][None, :]
-        visible = self._member[self._start : self._stop][:, batch.sequences].T
+        visible = self._member[batch.sequences, self._start : self._stop]
         positions = batch.positions.astype(np.int64)[:, None]
         visible &= (cell_pos <= positions) | self._except[:, None]
         if self._chunk is not None:

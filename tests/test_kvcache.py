@@ -253,8 +253,8 @@ def test_init_validation(backend):
     cache = new_cache(backend, Causal(), False)
     with pytest.raises(RuntimeError, match="cannot be changed"):
         cache.set_config(CacheConfig())
-    with pytest.raises(RuntimeError, match="start_forward"):
-        cache.get(backend.new_context())
+    with backend.new_context() as ctx, pytest.raises(RuntimeError, match="start_forward"):
+        cache.get(ctx)
 
 
 def test_cache_dtype_names():

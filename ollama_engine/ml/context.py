@@ -44,7 +44,7 @@ class Context:
         # room for the graph's nodes, the views and reshapes between them, and the graph itself
         self.handle = ggml.new_context(3 * max_nodes, graph_nodes=max_nodes)
         self._layer: int | None = None  # set on the views returned by layer()
-        self._inputs: list[tuple[object, np.ndarray]] = []
+        self._inputs: dict[object, np.ndarray] = {}  # graph input handle -> the values to write
         self._forward: list[Tensor] = []
         self._graph = None
         self._closed = False
@@ -76,8 +76,8 @@ class Context:
         handle = ggml.new_tensor(self.handle, int(dtype), shape)
         if self._layer is not None:
             self.backend.allocate_tensor(self.backend.layer_device(self._layer), self._layer, handle)
-        else:
-            ggml.mark_input(handle)
+            return Tensor(None, handle)  # stored tensors, like weights, belong to no graph
+        ggml.mark_input(handle)
         return Tensor(self, handle)
 
     def empty(self, dtype: DType, *shape: int) -> Tensor:
@@ -87,7 +87,7 @@ class Context:
     def zeros(self, dtype: DType, *shape: int) -> Tensor:
         tensor = self._create(dtype, shape)
         if self._layer is None:
-            self._inputs.append((tensor.handle, np.zeros(tensor.nbytes, dtype=np.uint8)))
+            self._inputs[tensor.handle] = np.zeros(tensor.nbytes, dtype=np.uint8)
         return tensor  # stored tensors are cleared when their buffer is allocated
 
     def from_numpy(self, values: np.ndarray, dtype: DType | None = None) -> Tensor:
@@ -106,7 +106,7 @@ class Context:
         if raw.nbytes != tensor.nbytes:
             raise ShapeError(f"{raw.nbytes} bytes of data for a {dtype.name} tensor of {tensor.nbytes} bytes")
         if self._layer is None:
-            self._inputs.append((tensor.handle, raw))
+            self._inputs[tensor.handle] = raw
         elif self.backend.allocate:
             tensor.set(raw)
         return tensor
@@ -120,6 +120,15 @@ class Context:
     def arange(self, start: float, stop: float, step: float = 1.0) -> Tensor:
         return self.from_numpy(np.arange(start, stop, step, dtype=np.float32))
 
+    def set_input(self, tensor: Tensor, values: np.ndarray) -> None:
+        """New values for a graph input, written at the next compute (how a built graph is reused)."""
+        if tensor.handle not in self._inputs:
+            raise KeyError(f"{tensor!r} is not a graph input of this context")
+        raw = np.ascontiguousarray(values).view(np.uint8).reshape(-1)
+        if raw.nbytes != tensor.nbytes:
+            raise ShapeError(f"{raw.nbytes} bytes of data for input {tensor!r} of {tensor.nbytes} bytes")
+        self._inputs[tensor.handle] = raw
+
     # ------------------------------------------------------------ the graph
 
     def forward(self, *tensors: Tensor) -> Context:
@@ -128,11 +137,16 @@ class Context:
         return self
 
     def _build(self, outputs: tuple[Tensor, ...]):
+        """The graph of everything forwarded plus outputs; built once, then reused while that set is unchanged."""
+        key = tuple(t.handle for t in (*self._forward, *outputs))
+        if self._graph is not None and self._graph[0] == key:
+            return self._graph[1]
         graph = ggml_backend.new_graph(self.handle, self.max_nodes)
         for tensor in (*self._forward, *outputs):
             if ggml_backend.graph_n_nodes(graph) >= self.max_nodes:
                 raise MemoryError(f"graph has more than {self.max_nodes} nodes")
             ops.build_forward_expand(graph, tensor.handle)
+        self._graph = (key, graph)
         return graph
 
     def compute(self, *outputs: Tensor) -> None:
@@ -145,7 +159,7 @@ class Context:
             scheduler.reset()
             if not scheduler.alloc_graph(graph):
                 raise NoMemory(self.backend.memory)
-            for handle, values in self._inputs:
+            for handle, values in self._inputs.items():
                 if ggml.has_storage(handle):  # inputs the graph never uses get no memory
                     ggml.write(handle, values)
             scheduler.compute(graph)

@@ -183,10 +183,10 @@ class Tensor:
         """Scatter source's rows into self at indices (I32 or I64); returns the updated view of self."""
         if indices.dtype not in (DType.I32, DType.I64):
             raise ShapeError("set_rows: indices must be I32 or I64")
-        if source.dtype != DType.F32:
-            raise ShapeError("set_rows: source must be F32")
+        if source.dtype not in (DType.F32, DType.F16):
+            raise ShapeError("set_rows: source must be F32 or F16")
         s, d, i = source.ne, self.ne, indices.ne
-        if s[0] != d[0] or s[1] != i[0] or s[2] % i[1] or s[3] % i[2] or d[2] % s[2] or d[3] % s[3]:
+        if s[0] != d[0] or s[2:] != d[2:] or s[1] != i[0] or s[2] % i[1] or s[3] % i[2] or i[3] != 1:
             raise ShapeError(f"set_rows: {source.shape} into {self.shape} at {indices.shape}")
         ctx = self._graph(source, indices)
         return Tensor(ctx, ops.set_rows(ctx.handle, self.handle, source.handle, indices.handle))

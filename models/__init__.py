@@ -1,0 +1,55 @@
+"""Model definitions, imported as ollama_engine.models: one file per architecture, and the registry.
+
+`load_model(path)` opens a GGUF file, picks the architecture by general.architecture (`<arch>_embed`
+for pooling models), and builds the backend (weights placed and, unless fitting, allocated but not
+yet read: call `model.backend.load()`), the tokenizer, the model and its cache (not yet sized: the
+caller knows the context and batch sizes and calls `model.cache.init`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+from ollama_engine.fs import GGUFFile
+from ollama_engine.kvcache import Batch
+from ollama_engine.ml import Backend, Context, GPULayers, Tensor
+from ollama_engine.tokenizer import from_metadata
+
+from . import llama, qwen2, qwen3  # noqa: F401 - importing an architecture registers it
+from .base import REGISTRY, Model, ModelError, bind, model_class, register, registry_name, require_uint, weight
+
+
+def load_model(
+    path: str | os.PathLike[str],
+    gpu_layers: Iterable[GPULayers] = (),
+    *,
+    allocate: bool = True,
+    num_threads: int | None = None,
+    flash_attention: bool = False,
+) -> Model:
+    """The model in the GGUF file at `path`, on the devices `gpu_layers` chooses (default: the CPU)."""
+    file = GGUFFile.open(path)
+    factory = model_class(file.config)
+    tokenizer = from_metadata(file.metadata)
+    backend = Backend(
+        file, gpu_layers, allocate=allocate, num_threads=num_threads, flash_attention=flash_attention
+    )
+    try:
+        return factory(backend, tokenizer)
+    except BaseException:
+        backend.close()
+        raise
+
+
+def forward(model: Model, ctx: Context, batch: Batch) -> Tensor | None:
+    """One forward pass: place the batch in the model's cache, then build the model's graph in ctx."""
+    if model.cache is not None:
+        model.cache.start_forward(ctx, batch)
+    return model.forward(ctx, batch)
+
+
+__all__ = [
+    "REGISTRY", "Model", "ModelError", "bind", "forward", "load_model", "model_class", "register",
+    "registry_name", "require_uint", "weight",
+]

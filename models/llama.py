@@ -1,0 +1,139 @@
+"""Llama (Llama 2 and 3, Mistral-style): RMSNorm, rotary attention with grouped KV heads, SwiGLU.
+
+Per layer: h += attn_output(attention(rope(q), rope(k), v)) on rms_norm(h); then
+h += ffn_down(silu(ffn_gate(x)) * ffn_up(x)) with x = rms_norm(h). Llama 3.1+ files carry rope
+frequency factors (rope_freqs.weight); files without output.weight tie it to token_embd (the backend
+makes that copy). Only the rows whose logits are needed leave the last layer's attention.
+
+Qwen2 and Qwen3 differ only in how q, k and v are made and in the RoPE variant, so they subclass this
+one and override `qkv` and `rope_options`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ollama_engine.fs import Config
+from ollama_engine.kvcache import Batch, Causal, attention
+from ollama_engine.ml import Backend, Context, RopeOptions, Tensor
+from ollama_engine.tokenizer import Tokenizer
+
+from .base import Model, ModelError, bind, register, require_uint, weight
+
+
+@dataclass
+class Layer:
+    attn_norm: Tensor = weight("attn_norm.weight")
+    attn_q: Tensor = weight("attn_q.weight")
+    attn_k: Tensor = weight("attn_k.weight")
+    attn_v: Tensor = weight("attn_v.weight")
+    attn_output: Tensor = weight("attn_output.weight")
+    rope_freqs: Tensor | None = weight("rope_freqs.weight", optional=True)
+    ffn_norm: Tensor = weight("ffn_norm.weight")
+    ffn_gate: Tensor = weight("ffn_gate.weight")
+    ffn_up: Tensor = weight("ffn_up.weight")
+    ffn_down: Tensor = weight("ffn_down.weight")
+
+
+@dataclass
+class Weights:
+    token_embd: Tensor = weight("token_embd.weight")
+    output_norm: Tensor = weight("output_norm.weight")
+    output: Tensor = weight("output.weight")
+
+
+@dataclass(frozen=True)
+class Options:
+    """Hyper-parameters, with llama.cpp's defaults where a key is absent."""
+
+    block_count: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rope_dims: int
+    rope_base: float
+    rope_scale: float  # ggml's freq_scale: 1 / rope.scaling.factor
+    eps: float
+    attention_scale: float
+
+    @classmethod
+    def from_config(cls, config: Config) -> Options:
+        hidden = require_uint(config, "embedding_length")
+        heads = require_uint(config, "attention.head_count")
+        kv_heads = config.get_uint("attention.head_count_kv", heads)
+        if heads == 0 or kv_heads == 0 or heads % kv_heads:
+            raise ModelError(f"attention.head_count {heads} must be a positive multiple of head_count_kv {kv_heads}")
+        head_dim = config.get_uint("attention.key_length", hidden // heads)
+        factor = config.get_float("rope.scaling.factor", 0.0)
+        scale = config.get_float("attention.scale", 0.0)
+        return cls(
+            block_count=require_uint(config, "block_count"),
+            hidden=hidden,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            rope_dims=config.get_uint("rope.dimension_count", head_dim),
+            rope_base=config.get_float("rope.freq_base", 10000.0),
+            rope_scale=1.0 / factor if factor else 1.0,
+            eps=config.get_float("attention.layer_norm_rms_epsilon", 1e-5),
+            attention_scale=scale or 1.0 / math.sqrt(head_dim),
+        )
+
+
+@register("llama")
+class Llama(Model):
+    layer_type: type[Layer] = Layer
+    rope_options = RopeOptions(neox=False)
+
+    def __init__(self, backend: Backend, tokenizer: Tokenizer | None):
+        super().__init__(backend, tokenizer)
+        if self.config.get_uint("expert_count", 0) > 0:
+            raise ModelError(f"unknown model architecture: mixture-of-experts {self.config.architecture()}")
+        self.options = Options.from_config(self.config)
+        self.weights = bind(Weights, backend)
+        self.layers = [bind(self.layer_type, backend, f"blk.{i}.") for i in range(self.options.block_count)]
+        self.cache = Causal(self.shift)
+
+    def rope(self, x: Tensor, positions: Tensor, layer: int) -> Tensor:
+        o = self.options
+        factors = self.layers[layer].rope_freqs
+        return x.rope(positions, o.rope_dims, o.rope_base, o.rope_scale, factors, self.rope_options)
+
+    def shift(self, ctx: Context, layer: int, key: Tensor, delta: Tensor) -> Tensor:
+        return self.rope(key, delta, layer)
+
+    def qkv(self, layer: Layer, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Query (head_dim, heads, n), key and value (head_dim, kv_heads, n), before RoPE."""
+        o, n = self.options, x.ne[1]
+        q = layer.attn_q.matmul(x).reshape(o.head_dim, o.heads, n)
+        k = layer.attn_k.matmul(x).reshape(o.head_dim, o.kv_heads, n)
+        v = layer.attn_v.matmul(x).reshape(o.head_dim, o.kv_heads, n)
+        return q, k, v
+
+    def forward(self, ctx: Context, batch: Batch) -> Tensor | None:
+        if batch.tokens is None:
+            raise ValueError("a text model's batch needs token ids")
+        o = self.options
+        inputs = ctx.input()
+        positions = inputs.from_numpy(batch.positions).set_name("positions")
+        h = self.weights.token_embd.rows(inputs.from_numpy(batch.tokens).set_name("tokens"))
+        outputs = inputs.from_numpy(batch.outputs).set_name("outputs") if len(batch.outputs) else None
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            self.cache.set_layer(i)
+            residual = h
+            q, k, v = self.qkv(layer, h.rms_norm(layer.attn_norm, o.eps))
+            q, k = self.rope(q, positions, i), self.rope(k, positions, i)
+            h = attention(ctx, q, k, v, o.attention_scale, self.cache).reshape(o.head_dim * o.heads, len(batch))
+            if i == last:
+                if outputs is None:
+                    return None  # the keys and values are stored; nothing else is wanted
+                h, residual = h.rows(outputs), residual.rows(outputs)
+            h = layer.attn_output.matmul(h).add(residual)
+            residual = h
+            x = h.rms_norm(layer.ffn_norm, o.eps)
+            h = layer.ffn_down.matmul(layer.ffn_gate.matmul(x).silu(layer.ffn_up.matmul(x))).add(residual)
+        h = h.rms_norm(self.weights.output_norm, o.eps)
+        return self.weights.output.matmul(h)

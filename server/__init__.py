@@ -1,0 +1,1 @@
+"""The runner subprocess's HTTP API (imported as ollama_engine.server)."""
