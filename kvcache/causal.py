@@ -165,7 +165,7 @@ class Causal:
     def bind(self, ctx: Context) -> None:
         """Create the batch's cell-index and mask inputs in ctx, or refill them if ctx already has them."""
         self._require_batch()
-        if self._ctx is not None and ctx.handle == self._ctx.handle and self._bound_layout == self.layout:
+        if self._ctx is not None and ctx.serial == self._ctx.serial and self._bound_layout == self.layout:
             # The context keeps the arrays it was given and writes them at every compute.
             np.copyto(self._bound_locs, self._locs)
             np.copyto(self._bound_mask, self._mask)
@@ -298,7 +298,7 @@ class Causal:
 
     def _require_bound(self, ctx: Context) -> None:
         self._require_batch()
-        if self._ctx is None or ctx.handle != self._ctx.handle or self._bound_layout != self.layout:
+        if self._ctx is None or ctx.serial != self._ctx.serial or self._bound_layout != self.layout:
             raise RuntimeError("the batch is not bound to this context: call start_forward() (or bind()) with it")
 
     def _ensure_sequences(self, count: int) -> None:

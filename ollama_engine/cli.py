@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 
+from ollama_engine.server.cli import add_runner_command
+
 
 def configure_logging(verbose: bool) -> None:
     logging.basicConfig(
@@ -45,11 +47,26 @@ def demo_command(args: argparse.Namespace) -> int:
     return 0 if error < 1e-3 else 1
 
 
+def generate_command(args: argparse.Namespace) -> int:
+    from ollama_engine.generate import generate
+
+    generate(args.model, args.prompt, args.n, args.temperature, args.seed, out=sys.stdout)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ollama-engine", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logs on stderr")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("devices", help="list the ggml devices and their memory").set_defaults(run=devices_command)
+    gen = commands.add_parser("generate", help="complete a prompt in-process, printing only the generated text")
+    gen.add_argument("--model", required=True, help="a GGUF file")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("-n", type=int, default=128, help="tokens to generate at most (default 128)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    gen.add_argument("--seed", type=int, default=-1, help="sampling seed; -1 draws one")
+    gen.set_defaults(run=generate_command)
+    add_runner_command(commands)
     demo = commands.add_parser("demo", help="the end-to-end demo")
     demo.add_argument("--model", help="a GGUF file (default: a generated synthetic model)")
     demo.set_defaults(run=demo_command)

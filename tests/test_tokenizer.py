@@ -45,7 +45,7 @@ def _vocab_tests(path: Path) -> list[tuple[str, list[int]]]:
         inputs.pop()
     outputs = [[int(t) for t in line.split()] for line in Path(f"{path}.out").read_text().splitlines()]
     assert len(inputs) == len(outputs) > 0
-    return list(zip(inputs, outputs))
+    return list(zip(inputs, outputs, strict=True))
 
 
 @pytest.mark.parametrize("name", VOCABS)
@@ -102,7 +102,7 @@ def test_special_tokens_in_text() -> None:
 
 def test_end_of_generation_ids() -> None:
     llama3 = _tokenizer("llama-bpe")
-    named = {llama3.vocab.token_to_id[t] for t in ("<|eot_id|>", "<|end_of_text|>", "<|eom_id|>")}
+    named = {llama3.vocab.token_to_id[t] for t in ("<|eot_id|>", "<|end_of_text|>")}
     assert named <= llama3.eos_ids and all(llama3.is_eog(i) for i in named)
     assert not llama3.is_eog(llama3.vocab.token_to_id["<|begin_of_text|>"])
     assert llama3.encode("hi")[0] == llama3.bos_id == llama3.vocab.token_to_id["<|begin_of_text|>"]

@@ -14,6 +14,7 @@ compute buffers without running it.
 from __future__ import annotations
 
 import copy
+import itertools
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -35,10 +36,19 @@ def _check_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(int(d) for d in shape)
 
 
+_serials = itertools.count(1)
+
+
 class Context:
-    """One graph under construction, plus the stored tensors created through it."""
+    """One graph under construction, plus the stored tensors created through it.
+
+    Graph inputs keep the arrays they were given and write them at every compute (set_input() replaces
+    one), so a graph built once can be computed again with new inputs. `serial` identifies a context
+    for its whole life (ggml handles of freed contexts get reused); its input()/layer() views share it.
+    """
 
     def __init__(self, backend: Backend, max_nodes: int):
+        self.serial = next(_serials)
         self.backend = backend
         self.max_nodes = max_nodes
         # room for the graph's nodes, the views and reshapes between them, and the graph itself

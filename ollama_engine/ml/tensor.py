@@ -394,7 +394,8 @@ class Tensor:
         return Tensor(ctx, ops.cpy(ctx.handle, self.handle, destination.handle))
 
     def concat(self, other: Tensor, dim: int) -> Tensor:
-        if self.dtype != other.dtype or any(a != b for i, (a, b) in enumerate(zip(self.ne, other.ne, strict=True)) if i != dim):
+        others_differ = any(a != b for i, (a, b) in enumerate(zip(self.ne, other.ne, strict=True)) if i != dim)
+        if self.dtype != other.dtype or others_differ:
             raise ShapeError(f"concat: {self.shape} and {other.shape} along {dim}")
         ctx = self._graph(other)
         return Tensor(ctx, ops.concat(ctx.handle, self.handle, other.handle, dim))

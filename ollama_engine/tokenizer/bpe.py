@@ -97,8 +97,9 @@ class BytePairSegmenter:
 def _usable_merges(vocab: Vocabulary) -> list[tuple[str, str]]:
     """Merges as (left, right) pairs in rank order; the first of duplicate pairs keeps its rank.
 
-    Like llama.cpp, the split is at the first space after the first character. A merge whose parts or result
-    are not tokens can never produce a token, and tokenizers refuses it, so it is left out.
+    Like llama.cpp, the split is at the first space after the first character. tokenizers refuses a merge
+    whose parts or result are not tokens, so such merges are left out (none of llama.cpp's test vocabularies
+    has one).
     """
     known = vocab.token_to_id
     seen: set[tuple[str, str]] = set()

@@ -48,7 +48,7 @@ def _model_proto(vocab: Vocabulary) -> bytes:
     model.normalizer_spec.add_dummy_prefix = False
     model.normalizer_spec.remove_extra_whitespaces = False
     model.normalizer_spec.escape_whitespaces = False
-    for text, score, attr in zip(vocab.tokens, vocab.scores, vocab.attrs):
+    for text, score, attr in zip(vocab.tokens, vocab.scores, vocab.attrs, strict=True):
         piece = model.pieces.add()
         piece.piece = text
         piece.score = score

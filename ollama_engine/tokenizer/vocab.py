@@ -120,6 +120,7 @@ class Vocabulary:
             self.attrs = [_ATTR_OF_TYPE.get(int(t), TokenAttr.UNDEFINED) for t in types]
         if len(self.scores) < n or len(self.attrs) < n:
             raise ValueError("tokenizer.ggml.scores / token_type are shorter than tokenizer.ggml.tokens")
+        self.scores, self.attrs = self.scores[:n], self.attrs[:n]
         self.merges: list[str] = [_as_text(m) for m in _get(metadata, "tokenizer.ggml.merges", list, [])]
 
         ids = self._special_ids(metadata)

@@ -1,0 +1,104 @@
+"""Open a model for serving: weights, KV cache, prompt cache and the worst-case compute graphs.
+
+Everything a request can need is sized here, before the first request: the KV cache for `parallel`
+sequences of `kv_size / parallel` tokens, and the compute buffers of the two largest graphs the batch
+loop builds (a full prompt batch, and a decode batch with one token for every sequence). Once that
+has succeeded, no allocation grows at inference time. With `allocate=False` (the `fit` operation)
+the same sizes are measured and nothing is allocated.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ollama_engine.kvcache import Batch, ShiftError, cache_dtype
+from ollama_engine.ml import BackendMemory, Context, GPULayers
+from ollama_engine.models import Model, load_model
+from ollama_engine.runner.cache import InputCache
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadParams:
+    """What a /load request asks of the model (everything but the operation)."""
+
+    parallel: int = 1
+    batch_size: int = 512
+    kv_size: int = 2048
+    kv_cache_type: str = ""
+    flash_attention: bool = False
+    num_threads: int = 0  # 0: the backend's default
+    gpu_layers: tuple[GPULayers, ...] = field(default_factory=tuple)
+    multi_user_cache: bool = False
+
+
+class LoadedModel:
+    """A model with its caches sized for serving; `memory` is what its backend reports."""
+
+    def __init__(self, model: Model, input_cache: InputCache, parallel: int, batch_size: int):
+        self.model = model
+        self.input_cache = input_cache
+        self.parallel = parallel
+        self.batch_size = batch_size
+
+    @property
+    def memory(self) -> BackendMemory:
+        return self.model.backend.memory
+
+    def close(self) -> None:
+        self.model.close()
+
+
+def open_model(path: str, params: LoadParams, allocate: bool) -> LoadedModel:
+    """Build the model and size (or allocate) everything it will use.
+
+    Raises ollama_engine.ml.NoMemory when an allocation fails; its report includes that allocation.
+    """
+    model = load_model(
+        path, params.gpu_layers, allocate=allocate, num_threads=params.num_threads or None,
+        flash_attention=params.flash_attention,
+    )
+    try:
+        parallel, batch_size = params.parallel, params.batch_size
+        if model.cache is None:
+            log.warning("model does not support caching, disabling parallel processing")
+            parallel, batch_size = 1, max(batch_size, params.kv_size)
+        input_cache = InputCache(
+            model.cache, params.kv_size, parallel, batch_size,
+            multi_user=params.multi_user_cache, remove_errors=ShiftError,
+        )
+        if model.cache is not None:
+            model.cache.init(model.backend, cache_dtype(params.kv_cache_type), parallel, input_cache.num_ctx,
+                             batch_size)
+        reserve_graph(model, tokens=batch_size, outputs=min(parallel, batch_size)).close()
+        reserve_graph(model, tokens=min(parallel, batch_size), outputs=min(parallel, batch_size)).close()
+    except BaseException:
+        model.close()
+        raise
+    return LoadedModel(model, input_cache, parallel, batch_size)
+
+
+def reserve_graph(model: Model, tokens: int, outputs: int) -> Context:
+    """Reserve compute buffers for a batch of this many tokens and outputs attending to the whole cache.
+
+    The first reservation also creates the KV cache tensors (they are made at the first put), which is
+    how their size reaches the memory report. Returns the graph's context, for the caller to close.
+    """
+    batch = Batch(
+        positions=np.arange(tokens), sequences=np.zeros(tokens), outputs=np.zeros(outputs),
+        tokens=np.zeros(tokens),
+    )
+    ctx = model.backend.new_context()
+    try:
+        if model.cache is not None:
+            model.cache.start_forward(ctx, batch, reserve=True)
+        logits = model.forward(ctx, batch)
+        ctx.reserve(*([logits] if logits is not None else []))
+    except BaseException:
+        ctx.close()
+        raise
+    return ctx

@@ -1,0 +1,298 @@
+"""The batch loop: form a batch from every active sequence, compute it, sample, stream (Ollama's runner).
+
+Two worker threads keep the event loop free. The builder thread forms batch N+1 and builds its graph
+while the compute thread computes batch N (ggml releases the GIL). Batch N+1 may hold a placeholder
+input for the token each sequence is about to sample from batch N: the placeholder is filled by the
+sampler, and batch N+1 reads its token ids only when its own compute starts, after batch N is done
+(one compute thread runs batches in order). The builder waits until batch N has started computing, so
+the sequences have moved their inputs into the slots before the next batch is formed.
+
+Batch formation: one token budget (batch_size) shared by all sequences, visited round-robin from the
+sequence that last missed out; a same-batch group is never split (it may stretch the budget); a prompt
+too long for one batch continues in the next. A sequence whose slot is full is shifted (or ended with
+DoneReason.LENGTH if the request forbids shifting).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ollama_engine.kvcache import Batch
+from ollama_engine.ml import Context, Tensor
+from ollama_engine.runner.allocate import LoadedModel
+from ollama_engine.runner.cache import ReprocessInputsError
+from ollama_engine.runner.inputs import Input
+from ollama_engine.runner.sequence import DoneReason, Piece, Sequence, SequenceOptions, fit_prompt
+from ollama_engine.sample import calculate_logprobs
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class BatchState:
+    """One formed batch on its way through the pipeline."""
+
+    seqs: list[Sequence | None]
+    """The sequences as they were when the batch was formed; results for any since replaced are dropped."""
+    inputs: list[Input] = field(default_factory=list)
+    batch: Batch | None = None
+    ctx: Context | None = None
+    logits: Tensor | None = None
+    compute_started: threading.Event = field(default_factory=threading.Event)
+
+
+class Runner:
+    """Serves completions from a committed model; start() launches the threads, close() stops them."""
+
+    def __init__(self, loaded: LoadedModel, on_fatal: Callable[[BaseException], None]):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.model.tokenizer
+        self.cache = loaded.input_cache
+        self.batch_size = loaded.batch_size
+        self.on_fatal = on_fatal
+        self.cond = threading.Condition()
+        self.seqs: list[Sequence | None] = [None] * loaded.parallel
+        self.next_seq = 0
+        self.closing = False
+        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self._builder = threading.Thread(target=self._run, name="batch-builder", daemon=True)
+
+    @property
+    def num_ctx(self) -> int:
+        return self.cache.num_ctx
+
+    def start(self) -> None:
+        self._builder.start()
+
+    def close(self) -> None:
+        with self.cond:
+            self.closing = True
+            self.cond.notify_all()
+        self._builder.join()
+        self._compute.shutdown(wait=True)
+
+    # ------------------------------------------------------------ sequences
+
+    def new_sequence(self, prompt: str, options: SequenceOptions) -> Sequence:
+        """Tokenize and fit the prompt to one slot's context (raises InputTooLongError)."""
+        inputs = [Input(token=t) for t in self.tokenizer.encode(prompt, add_special=True)]
+        inputs, num_keep = fit_prompt(inputs, self.num_ctx, options.num_keep, options.truncate)
+        return Sequence(inputs=inputs, options=options, num_keep=num_keep, num_prompt_inputs=len(inputs))
+
+    def add(self, seq: Sequence, sink: Callable[[Piece | None], None]) -> None:
+        """Give the sequence a free place and the cache slot that best matches its prompt."""
+        with self.cond:
+            index = next((i for i, s in enumerate(self.seqs) if s is None), None)
+            if index is None:
+                raise RuntimeError("could not find an available sequence")
+            try:
+                seq.slot, seq.inputs = self.cache.load_slot(seq.inputs, cache_prompt=True)
+            except Exception as err:
+                raise RuntimeError(f"Failed to load cache: {err}") from err
+            seq.sink = sink
+            self.seqs[index] = seq
+            self.cond.notify()
+
+    def _remove(self, index: int, reason: DoneReason) -> None:
+        seq = self.seqs[index]
+        assert seq is not None and seq.slot is not None
+        self._flush(seq)
+        seq.done_reason = reason
+        seq.slot.in_use = False
+        self.seqs[index] = None
+        seq.sink(None)
+
+    def _flush(self, seq: Sequence) -> bool:
+        """Send the pending text; False if the client has gone."""
+        text, logprobs = seq.output.flush()
+        if not text:
+            return True
+        if seq.quit.is_set():
+            return False
+        seq.sink(Piece(text, logprobs))
+        return True
+
+    # ------------------------------------------------------------ the loop
+
+    def _run(self) -> None:
+        previous: BatchState | None = None
+        try:
+            while True:
+                if previous is not None:
+                    previous.compute_started.wait()
+                current = self._form_batch()
+                if current is None:
+                    return
+                self._compute.submit(self._compute_batch, current).add_done_callback(self._check)
+                previous = current
+        except BaseException as err:
+            self.on_fatal(err)
+
+    def _check(self, future) -> None:
+        if future.exception() is not None:
+            self.on_fatal(future.exception())
+
+    def _form_batch(self) -> BatchState | None:
+        with self.cond:
+            while not self.closing and not any(self.seqs):
+                self.cond.wait()
+            if self.closing:
+                return None
+            state = BatchState(seqs=list(self.seqs))
+            positions: list[int] = []
+            sequences: list[int] = []
+            outputs: list[int] = []
+            resume: int | None = None
+            count = len(self.seqs)
+            for k in range(count):
+                index = (self.next_seq + k) % count
+                seq = state.seqs[index]
+                if seq is None:
+                    continue
+                if seq.quit.is_set():
+                    self._remove(index, DoneReason.CONNECTION_CLOSED)
+                    state.seqs[index] = None
+                    continue
+                slot = seq.slot
+                assert slot is not None
+                if not self.cache.enabled:  # no KV cache: the whole history goes into every batch
+                    seq.inputs, slot.inputs = slot.inputs + seq.inputs, []
+                limit = self.batch_size
+                for i, inp in enumerate(seq.inputs):
+                    needed = 1 + inp.same_batch
+                    limit = max(limit, needed)  # a group larger than a batch gets a batch of its own
+                    if len(state.inputs) + needed > limit:
+                        if not seq.pending_inputs and resume is None:
+                            resume = index  # start there next time, so it does not starve
+                        break
+                    if len(slot.inputs) + len(seq.pending_inputs) + needed > self.num_ctx:
+                        if seq.pending_inputs:
+                            break  # shift once this batch is done
+                        if not seq.options.shift:
+                            self._remove(index, DoneReason.LENGTH)
+                            state.seqs[index] = None
+                            break
+                        try:
+                            self.cache.shift_slot(slot, seq.num_keep)
+                        except ReprocessInputsError as err:
+                            seq.inputs = err.inputs + seq.inputs  # i == 0 here: nothing batched yet
+                            state.seqs[index] = None
+                            break
+                    state.inputs.append(inp)
+                    positions.append(len(slot.inputs) + len(seq.pending_inputs))
+                    sequences.append(slot.id)
+                    seq.batch_row = len(outputs)
+                    if i + 1 == len(seq.inputs):
+                        outputs.append(len(state.inputs) - 1)
+                    seq.pending_inputs.append(inp)
+                seq.inputs = seq.inputs[len(seq.pending_inputs):]
+            for seq in state.seqs:
+                if seq is not None:
+                    seq.mark_started()
+            if resume is not None:
+                self.next_seq = resume
+            if not state.inputs:
+                state.compute_started.set()
+                return state
+            tokens = np.zeros(len(state.inputs), dtype=np.int32)  # filled in when the batch computes
+            state.batch = Batch(positions=positions, sequences=sequences, outputs=outputs, tokens=tokens)
+            state.ctx = self.model.backend.new_context()
+            if self.model.cache is not None:
+                self.model.cache.start_forward(state.ctx, state.batch)
+            state.logits = self.model.forward(state.ctx, state.batch)
+            return state
+
+    def _compute_batch(self, state: BatchState) -> None:
+        if state.ctx is None:
+            return
+        try:
+            placeholders = self._advance(state)
+            state.compute_started.set()
+            state.ctx.compute(*([state.logits] if state.logits is not None else []))
+            logits = state.logits.numpy().reshape(len(state.batch.outputs), -1) if state.logits is not None else None
+            now = time.monotonic()
+            with self.cond:
+                for index, (placeholder, row) in placeholders.items():
+                    seq = self.seqs[index]
+                    if seq is not None and seq is state.seqs[index]:
+                        self._sample(index, seq, placeholder, logits[row], now)
+                sampling = time.monotonic() - now
+                for index in placeholders:
+                    seq = self.seqs[index]
+                    if seq is not None:
+                        seq.sampling_duration += sampling
+        finally:
+            state.compute_started.set()
+            state.ctx.close()
+
+    def _advance(self, state: BatchState) -> dict[int, tuple[Input, int]]:
+        """Fill in the batch's token ids, record its inputs in the slots, queue a placeholder per sampler.
+
+        Returns, per sequence index, the placeholder and the sequence's row in this batch's logits (read
+        now: forming the next batch overwrites it).
+        """
+        placeholders: dict[int, tuple[Input, int]] = {}
+        with self.cond:
+            state.batch.tokens[:] = [inp.token for inp in state.inputs]
+            for index, seq in enumerate(self.seqs):
+                if seq is None or seq is not state.seqs[index]:
+                    continue
+                assert seq.slot is not None
+                seq.slot.inputs.extend(seq.pending_inputs)
+                seq.pending_inputs = []
+                if seq.inputs:  # still evaluating the prompt
+                    if not self.cache.enabled:
+                        raise RuntimeError("caching disabled but unable to fit entire input in a batch")
+                    continue
+                placeholder = Input()
+                placeholders[index] = (placeholder, seq.batch_row)
+                seq.inputs = [placeholder]
+        return placeholders
+
+    def _sample(self, index: int, seq: Sequence, placeholder: Input, logits: np.ndarray, now: float) -> None:
+        seq.last_updated_at = now
+        seq.num_predicted += 1
+        if seq.num_predicted == 1:
+            seq.processing_duration = now - (seq.started_at or now)
+            seq.started_at = now
+
+        token = seq.options.sampler.sample(logits)
+        placeholder.token = token  # the next batch may already hold this input
+        if self.tokenizer.is_eog(token):
+            self._remove(index, DoneReason.STOP)
+            return
+        piece = self.tokenizer.token_piece(token)
+        logprobs = []
+        if seq.options.logprobs:
+            logprobs.append(calculate_logprobs(logits, token, seq.options.top_logprobs, self._token_text))
+        seq.output.add(piece, logprobs)
+
+        if 0 < seq.options.num_predict <= seq.num_predicted:
+            self._remove(index, DoneReason.LENGTH)
+            return
+        cut = seq.output.cut_at_stop()
+        if cut is not None:
+            # forget the cut tokens, so a later prompt that continues the text does not match them
+            slot = seq.slot
+            assert slot is not None
+            keep = len(slot.inputs) + 1 - cut.pieces_removed
+            if cut.token_truncated or cut.pieces_removed == 0:
+                keep -= 1
+            del slot.inputs[max(keep, 0):]
+            self._remove(index, DoneReason.STOP)
+            return
+        if seq.output.must_hold():
+            return
+        if not self._flush(seq):
+            self._remove(index, DoneReason.CONNECTION_CLOSED)
+
+    def _token_text(self, token: int) -> str:
+        return self.tokenizer.token_piece(token).decode("utf-8", errors="replace")

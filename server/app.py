@@ -1,0 +1,238 @@
+"""The runner's HTTP API: /info, /load, /completion, /embedding and /health, as Ollama's parent expects.
+
+Blocking work (allocating, loading weights, tokenizing, the batch loop) runs in worker threads, so
+/health answers promptly during a load. Errors are Go's http.Error: plain text ending in a newline.
+A failure the process cannot recover from (weights that fail to load, an error in the batch loop)
+is printed to stderr with an `error:` prefix, which Ollama's parent captures, and the process exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from ollama_engine.ml import NoMemory, gpu_devices
+from ollama_engine.ml.memory import BackendMemory, DeviceInfo
+from ollama_engine.runner.allocate import LoadedModel, open_model
+from ollama_engine.runner.loop import Runner
+from ollama_engine.runner.sequence import InputTooLongError, Piece
+
+from .wire import (
+    CompletionRequest,
+    LoadOperation,
+    LoadRequest,
+    ServerStatus,
+    WireError,
+    completion_chunk,
+    completion_done,
+    encode,
+    health_response,
+    load_response,
+)
+
+log = logging.getLogger(__name__)
+
+MAX_BODY = 1 << 30  # Go's server has no limit; prompts with images can be large
+
+
+def text_error(status: int, message: str) -> web.Response:
+    """Go's http.Error."""
+    return web.Response(
+        status=status, text=message + "\n", content_type="text/plain", charset="utf-8",
+        headers={"X-Content-Type-Options": "nosniff"},
+    )
+
+
+def json_response(value: Any) -> web.Response:
+    return web.Response(body=encode(value), content_type="application/json")
+
+
+def exit_on_fatal(err: BaseException) -> None:
+    print(f"error: {err}", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+class RunnerServer:
+    """One runner process: at most one model, loaded through /load, then served until the process ends."""
+
+    def __init__(self, model_path: str | None, on_fatal: Callable[[BaseException], None] = exit_on_fatal):
+        self.model_path = model_path
+        self.on_fatal = on_fatal
+        self.status = ServerStatus.LAUNCHED
+        self.progress = 0.0
+        self.load_lock = asyncio.Lock()
+        self.last_load: LoadRequest | None = None
+        self.loaded: LoadedModel | None = None
+        self.runner: Runner | None = None
+        self.ready = asyncio.Event()
+        self.slots: asyncio.Semaphore | None = None
+        self._commit_task: asyncio.Task | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY)
+        app.router.add_get("/info", self.info)
+        app.router.add_post("/load", self.load)
+        app.router.add_post("/completion", self.completion)
+        app.router.add_post("/embedding", self.embedding)
+        app.router.add_get("/health", self.health)
+        return app
+
+    # ------------------------------------------------------------ /health and /info
+
+    async def health(self, request: web.Request) -> web.Response:
+        return json_response(health_response(self.status, self.progress))
+
+    async def info(self, request: web.Request) -> web.Response:
+        try:
+            infos = await asyncio.to_thread(self._gpu_infos)
+        except Exception as err:
+            return text_error(500, f"failed to initialize backend: {err}")
+        return json_response(infos)
+
+    def _gpu_infos(self) -> list[dict[str, Any]]:
+        """The GPUs ggml sees; once a model is allocated, only those it uses (idle GPUs are left alone)."""
+        used = None
+        if self.loaded is not None and self.loaded.model.backend.allocate:
+            used = {gpu.device_id for gpu in self.loaded.model.backend.compute_devices}
+        library_path = [p for p in os.environ.get("OLLAMA_LIBRARY_PATH", "").split(os.pathsep) if p]
+        return [
+            DeviceInfo(
+                device_id=gpu.device_id, name=gpu.name, description=gpu.description,
+                integrated=gpu.kind == "IGPU", total_memory=gpu.total_memory, free_memory=gpu.free_memory(),
+                library_path=library_path,
+            ).to_json()
+            for gpu in gpu_devices()
+            if used is None or gpu.device_id in used
+        ]
+
+    # ------------------------------------------------------------ /load
+
+    async def load(self, request: web.Request) -> web.Response:
+        async with self.load_lock:
+            if self.status != ServerStatus.LAUNCHED:
+                return text_error(500, "model already loaded")
+            try:
+                req = LoadRequest.from_json(await request.read())
+            except WireError:
+                return text_error(400, "bad request")
+            if req.operation == LoadOperation.CLOSE:
+                self._close_model()
+                return json_response(load_response(False, BackendMemory()))
+
+            reload = self.loaded is None or not req.same_layout(self.last_load)
+            self.last_load = req
+            if reload:
+                self._close_model()
+                try:
+                    self.loaded = await asyncio.to_thread(self._open, req)
+                except NoMemory as err:
+                    log.info("insufficient memory: %s", err)
+                    return json_response(load_response(False, err.memory))
+                except Exception as err:
+                    return text_error(500, f"failed to initialize model: {err}")
+
+            memory = self.loaded.memory
+            response = json_response(load_response(True, memory))
+            if req.operation == LoadOperation.FIT:
+                self._close_model()  # measuring allocates nothing worth keeping
+            elif req.operation == LoadOperation.COMMIT:
+                self.status = ServerStatus.LOADING_MODEL
+                self._commit_task = asyncio.create_task(self._commit(self.loaded))
+            return response
+
+    def _open(self, req: LoadRequest) -> LoadedModel:
+        if req.lora_path:
+            raise ValueError("loras are not yet implemented")
+        if not self.model_path:
+            raise ValueError("no model: the runner was started without --model")
+        return open_model(self.model_path, req.params(), allocate=req.operation != LoadOperation.FIT)
+
+    def _close_model(self) -> None:
+        if self.loaded is not None:
+            self.loaded.close()
+            self.loaded = None
+
+    async def _commit(self, loaded: LoadedModel) -> None:
+        def progress(fraction: float) -> None:
+            self.progress = fraction
+
+        try:
+            await asyncio.to_thread(loaded.model.backend.load, progress)
+            runner = Runner(loaded, self.on_fatal)
+            runner.start()
+        except Exception as err:
+            self.on_fatal(RuntimeError(f"failed to load model: {err}"))
+            return
+        self.runner = runner
+        self.slots = asyncio.Semaphore(loaded.parallel)
+        self.status = ServerStatus.READY
+        self.ready.set()
+
+    # ------------------------------------------------------------ /completion and /embedding
+
+    async def completion(self, request: web.Request) -> web.StreamResponse:
+        try:
+            req = CompletionRequest.from_json(await request.read())
+        except WireError:
+            return text_error(400, "Bad request")
+        if req.grammar:
+            return text_error(500, "failed to load model vocabulary required for format")
+        await self.ready.wait()
+        runner, slots = self.runner, self.slots
+        assert runner is not None and slots is not None
+        try:
+            seq = await asyncio.to_thread(runner.new_sequence, req.prompt, req.options)
+        except InputTooLongError as err:
+            return text_error(400, str(err))
+        except Exception as err:
+            return text_error(500, f"Failed to create new sequence: {err}")
+
+        await slots.acquire()
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Piece | None] = asyncio.Queue()
+
+        def deliver(item: Piece | None) -> None:
+            queue.put_nowait(item)
+            if item is None:
+                slots.release()  # the sequence has left its place in the batch loop
+
+        try:
+            runner.add(seq, lambda item: loop.call_soon_threadsafe(deliver, item))
+        except Exception as err:
+            slots.release()
+            return text_error(500, str(err))
+
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        response.enable_chunked_encoding()
+        try:
+            await response.prepare(request)
+            while (piece := await queue.get()) is not None:
+                await response.write(encode(completion_chunk(piece.text, piece.logprobs)))
+            assert seq.done_reason is not None
+            await response.write(encode(completion_done(
+                seq.done_reason, seq.num_prompt_inputs, seq.processing_duration, seq.num_predicted,
+                seq.eval_duration(),
+            )))
+        except ConnectionResetError:
+            log.debug("client went away during a completion")
+        finally:
+            seq.quit.set()  # a no-op once the sequence has ended; otherwise the loop ends it
+        return response
+
+    async def embedding(self, request: web.Request) -> web.Response:
+        """No architecture this engine registers pools its output, so every loaded model answers 501."""
+        await self.ready.wait()
+        return text_error(501, "this model does not support embeddings")
+
+
+def serve(model_path: str | None, host: str, port: int) -> None:
+    """Run the runner's HTTP server until the process is stopped."""
+    log.info("starting ollama engine")
+    server = RunnerServer(model_path)
+    web.run_app(server.app(), host=host, port=port, handler_cancellation=True, print=None, access_log=None)

@@ -1,0 +1,200 @@
+"""The runner protocol's JSON and HTTP behaviour that needs no model, and prompt truncation."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from ollama_engine.server.app import RunnerServer
+from ollama_engine.server.wire import (
+    CompletionRequest,
+    Float32,
+    LoadOperation,
+    LoadRequest,
+    WireError,
+    completion_chunk,
+    completion_done,
+    encode,
+    health_response,
+)
+
+from ollama_engine.ml import DeviceID
+from ollama_engine.runner.inputs import Input
+from ollama_engine.runner.sequence import DoneReason, InputTooLongError, fit_prompt
+
+# ---------------------------------------------------------------- encoding
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    ({"a": 1, "b": [True, None], "c": "x"}, '{"a":1,"b":[true,null],"c":"x"}'),
+    ("<a href='x'>&</a>", '"\\u003ca href=\'x\'\\u003e\\u0026\\u003c/a\\u003e"'),
+    ("line\nbreak\u2028é", '"line\\nbreak\\u2028é"'),
+    (0.1, "0.1"),
+    (1e-7, "1e-7"),
+    (1e21, "1e+21"),
+    (123456789.0, "123456789"),
+    (Float32(1 / 3), "0.33333334"),
+    (Float32(1.0), "1"),
+    (-0.5, "-0.5"),
+])
+def test_encode_matches_go(value, expected):
+    assert encode(value) == (expected + "\n").encode()
+
+
+def test_encode_rejects_what_go_cannot_encode():
+    with pytest.raises(ValueError):
+        encode(float("-inf"))
+    with pytest.raises(TypeError):
+        encode(object())
+
+
+def test_completion_lines():
+    top = [{"token": "Hi", "logprob": -0.5}]
+    chunk = completion_chunk("Hi", [{"token": "Hi", "logprob": -0.5, "top_logprobs": top}])
+    assert encode(chunk) == (
+        b'{"content":"Hi","done_reason":0,"done":false,"prompt_eval_count":0,"prompt_eval_duration":0,'
+        b'"eval_count":0,"eval_duration":0,"logprobs":[{"token":"Hi","logprob":-0.5,'
+        b'"top_logprobs":[{"token":"Hi","logprob":-0.5}]}]}\n'
+    )
+    assert "logprobs" not in completion_chunk("x", [])
+    done = completion_done(DoneReason.LENGTH, 27, 0.041234567, 128, 1.5)
+    assert encode(done) == (
+        b'{"content":"","done_reason":1,"done":true,"prompt_eval_count":27,"prompt_eval_duration":41234567,'
+        b'"eval_count":128,"eval_duration":1500000000}\n'
+    )
+
+
+def test_health_line():
+    assert encode(health_response(3, 0.5029227)) == b'{"status":3,"progress":0.5029227}\n'
+
+
+# ---------------------------------------------------------------- decoding
+
+
+def test_load_request_decoding():
+    body = json.dumps({
+        "operation": 1, "LoraPath": None, "PARALLEL": 2, "BatchSize": 512, "FlashAttention": 1, "KvSize": 4096,
+        "KvCacheType": "q8_0", "NumThreads": 8, "Unknown": "ignored",
+        "GPULayers": [{"id": "GPU-1", "backend": "CUDA", "Layers": [0, 1, 2]}],
+    }).encode()
+    req = LoadRequest.from_json(body)
+    assert req.operation == LoadOperation.ALLOC and req.parallel == 2 and req.kv_cache_type == "q8_0"
+    assert req.gpu_layers[0].device_id == DeviceID("GPU-1", "CUDA") and req.gpu_layers[0].layers == [0, 1, 2]
+    assert req.multi_user_cache is False and req.lora_path == []
+    params = req.params()
+    assert params.flash_attention and params.kv_size == 4096 and params.batch_size == 512
+
+    commit = LoadRequest.from_json(body.replace(b'"operation": 1', b'"operation": 2'))
+    assert commit.same_layout(req) and not commit.same_layout(None)
+    other = LoadRequest.from_json(body.replace(b'"PARALLEL": 2', b'"PARALLEL": 1'))
+    assert not other.same_layout(req)
+
+
+@pytest.mark.parametrize("body", [b"{", b"[]", b'{"Operation": "fit"}', b'{"Parallel": true}',
+                                  b'{"Operation": 9}', b'{"KvSize": 1.5}', b'{"GPULayers": [3]}'])
+def test_load_request_rejects(body):
+    with pytest.raises(WireError):
+        LoadRequest.from_json(body)
+
+
+def test_completion_request_options():
+    defaults = CompletionRequest.from_json(b'{"Prompt": "hi", "Options": null}')
+    assert defaults.prompt == "hi"
+    assert defaults.options.num_predict == -1 and defaults.options.num_keep == 4
+    assert defaults.options.sampler.temperature == pytest.approx(0.8) and defaults.options.sampler.top_k == 40
+    assert defaults.options.shift is False and defaults.options.truncate is False
+
+    # present options leave omitted keys at zero (the parent encodes them with omitempty)
+    given = CompletionRequest.from_json(json.dumps({
+        "prompt": "x", "options": {"num_predict": 5, "stop": ["\n"], "top_k": 3}, "Shift": True, "Truncate": True,
+        "Logprobs": True, "TopLogprobs": 2,
+    }).encode())
+    o = given.options
+    assert (o.num_predict, o.num_keep, o.stop, o.shift, o.truncate, o.logprobs, o.top_logprobs) == (
+        5, 0, ["\n"], True, True, True, 2)
+    assert o.sampler.temperature == 0.0 and o.sampler.top_k == 3
+
+
+@pytest.mark.parametrize("body", [b"nope", b'{"Prompt": 1}', b'{"Options": []}', b'{"Options": {"stop": "x"}}',
+                                  b'{"Options": {"temperature": "hot"}}', b'{"TopLogprobs": 21}'])
+def test_completion_request_rejects(body):
+    with pytest.raises(WireError):
+        CompletionRequest.from_json(body)
+
+
+# ---------------------------------------------------------------- HTTP without a model
+
+
+def call(server: RunnerServer, method: str, path: str, body: bytes | None = None):
+    async def run():
+        async with TestClient(TestServer(server.app())) as client:
+            response = await client.request(method, path, data=body)
+            return response.status, response.headers.get("Content-Type"), await response.read()
+
+    return asyncio.run(run())
+
+
+def test_health_before_load():
+    assert call(RunnerServer(None), "GET", "/health") == (200, "application/json", b'{"status":2,"progress":0}\n')
+
+
+def test_info_lists_gpus_only():
+    status, content_type, body = call(RunnerServer(None), "GET", "/info")
+    assert (status, content_type) == (200, "application/json")
+    for gpu in json.loads(body):
+        assert gpu["id"] and gpu["backend"] and gpu["total_memory"] > 0 and "ComputeMajor" in gpu
+
+
+def test_load_errors():
+    server = RunnerServer(None)
+    assert call(server, "POST", "/load", b"{oops") == (400, "text/plain; charset=utf-8", b"bad request\n")
+    status, _, body = call(server, "POST", "/load", b'{"Operation": 0, "Parallel": 1}')
+    assert status == 500 and body.startswith(b"failed to initialize model: ")
+    status, _, body = call(server, "POST", "/load", b'{"Operation": 0, "LoraPath": ["x"]}')
+    assert (status, body) == (500, b"failed to initialize model: loras are not yet implemented\n")
+
+
+def test_close_answers_an_empty_load_response():
+    assert call(RunnerServer(None), "POST", "/load", b'{"Operation": 3}')[2] == (
+        b'{"Success":false,"Memory":{"InputWeights":0,"CPU":{"id":"","Name":"","Weights":null,"Cache":null,'
+        b'"Graph":0},"GPUs":null}}\n'
+    )
+
+
+def test_bad_completion_is_rejected_before_waiting_for_a_model():
+    assert call(RunnerServer(None), "POST", "/completion", b"{") == (
+        400, "text/plain; charset=utf-8", b"Bad request\n")
+
+
+# ---------------------------------------------------------------- prompt truncation
+
+
+def inputs(n: int, groups: dict[int, int] | None = None) -> list[Input]:
+    return [Input(token=i, same_batch=(groups or {}).get(i, 0)) for i in range(n)]
+
+
+@pytest.mark.parametrize(("n", "num_ctx", "num_keep", "groups", "expected_tokens", "expected_keep"), [
+    (5, 10, 4, None, list(range(5)), 4),  # fits: untouched
+    (12, 10, 4, None, [0, 1, 2, 3] + list(range(6, 12)), 4),  # keep 4, drop the 2 after them
+    (12, 10, -1, None, list(range(9)) + [11], 9),  # keep everything: capped at num_ctx - 1
+    (12, 10, 0, None, list(range(2, 12)), 0),
+    (12, 10, 4, {5: 2}, [0, 1, 2, 3] + list(range(8, 12)), 4),  # the group 5..7 is dropped whole
+    (12, 10, 2, {3: 1}, [0, 1] + list(range(5, 12)), 2),  # cut would land inside the group 3..4
+])
+def test_fit_prompt(n, num_ctx, num_keep, groups, expected_tokens, expected_keep):
+    kept, keep = fit_prompt(inputs(n, groups), num_ctx, num_keep, truncate=True)
+    assert [inp.token for inp in kept] == expected_tokens and keep == expected_keep
+    assert len(kept) <= num_ctx
+
+
+def test_fit_prompt_errors():
+    with pytest.raises(InputTooLongError, match="the input length exceeds the context length"):
+        fit_prompt(inputs(11), 10, 4, truncate=False)
+    with pytest.raises(ValueError, match="no input provided"):
+        fit_prompt([], 10, 4, truncate=True)
+    with pytest.raises(ValueError, match="SameBatch may not be specified within numKeep"):
+        fit_prompt(inputs(12, {1: 1}), 10, 4, truncate=True)
+    with pytest.raises(ValueError, match="entire prompt removed by truncation"):
+        fit_prompt(inputs(12, {4: 7}), 10, 4, truncate=True)
