@@ -11,9 +11,8 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
-from ollama_engine.kvcache import Batch
-
 from ollama_engine.fs import GGUFFile
+from ollama_engine.kvcache import Batch
 from ollama_engine.ml import Backend, Context, GPULayers, Tensor
 from ollama_engine.tokenizer import from_metadata
 

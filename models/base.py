@@ -17,9 +17,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ollama_engine.kvcache import Batch, Cache
-
 from ollama_engine.fs import Config
+from ollama_engine.kvcache import Batch, Cache
 from ollama_engine.ml import Backend, Context, Tensor
 from ollama_engine.tokenizer import Tokenizer
 

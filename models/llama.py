@@ -14,9 +14,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ollama_engine.kvcache import Batch, Causal, attention
-
 from ollama_engine.fs import Config
+from ollama_engine.kvcache import Batch, Causal, attention
 from ollama_engine.ml import Backend, Context, RopeOptions, Tensor
 from ollama_engine.tokenizer import Tokenizer
 

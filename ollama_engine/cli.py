@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from ollama_engine.llm.plan import add_plan_command
 from ollama_engine.server.cli import add_runner_command
 
 
@@ -31,20 +32,9 @@ def devices_command(args: argparse.Namespace) -> int:
 
 
 def demo_command(args: argparse.Namespace) -> int:
-    """Until the runner and the planner exist: a smoke run of the engine on the devices present."""
-    import numpy as np
+    from ollama_engine.demo import run_demo
 
-    from ollama_engine.ml import Backend
-
-    devices_command(args)
-    rng = np.random.default_rng(0)
-    a, b = rng.standard_normal((64, 256), dtype=np.float32), rng.standard_normal((32, 256), dtype=np.float32)
-    with Backend(None) as backend, backend.new_context() as ctx:
-        out = ctx.from_numpy(a).matmul(ctx.from_numpy(b))
-        ctx.compute(out)
-        error = float(np.abs(out.numpy() - b @ a.T).max())
-    print(f"smoke test: a 64x256 by 256x32 matmul through ggml_backend_sched, max error {error:.2e}")
-    return 0 if error < 1e-3 else 1
+    return run_demo(args.model)
 
 
 def generate_command(args: argparse.Namespace) -> int:
@@ -67,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=-1, help="sampling seed; -1 draws one")
     gen.set_defaults(run=generate_command)
     add_runner_command(commands)
+    add_plan_command(commands)
     demo = commands.add_parser("demo", help="the end-to-end demo")
     demo.add_argument("--model", help="a GGUF file (default: a generated synthetic model)")
     demo.set_defaults(run=demo_command)

@@ -20,17 +20,20 @@ from aiohttp import web
 from ollama_engine.ml import NoMemory, gpu_devices
 from ollama_engine.ml.memory import BackendMemory, DeviceInfo
 from ollama_engine.runner.allocate import LoadedModel, open_model
+from ollama_engine.runner.embed import embed, supports_embeddings
 from ollama_engine.runner.loop import Runner
 from ollama_engine.runner.sequence import InputTooLongError, Piece
 
 from .wire import (
     CompletionRequest,
+    Float32,
     LoadOperation,
     LoadRequest,
     ServerStatus,
     WireError,
     completion_chunk,
     completion_done,
+    embedding_content,
     encode,
     health_response,
     load_response,
@@ -226,9 +229,25 @@ class RunnerServer:
         return response
 
     async def embedding(self, request: web.Request) -> web.Response:
-        """No architecture this engine registers pools its output, so every loaded model answers 501."""
         await self.ready.wait()
-        return text_error(501, "this model does not support embeddings")
+        loaded, slots = self.loaded, self.slots
+        assert loaded is not None and slots is not None
+        if not supports_embeddings(loaded.model):
+            return text_error(501, "this model does not support embeddings")
+        try:
+            content = embedding_content(await request.read())
+        except WireError as err:
+            return text_error(400, f"bad request: {err}")
+        async with slots:
+            try:
+                result = await asyncio.to_thread(embed, loaded.model, content, loaded.input_cache.num_ctx)
+            except InputTooLongError as err:
+                return text_error(400, str(err))
+            except Exception as err:
+                return text_error(500, f"Failed to create new sequence: {err}")
+        return json_response({
+            "embedding": [Float32(x) for x in result.vector.tolist()], "prompt_eval_count": result.prompt_eval_count,
+        })
 
 
 def serve(model_path: str | None, host: str, port: int) -> None:

@@ -189,9 +189,7 @@ def small_file(path: Path) -> Path:
     writer.add_array("tokenizer.ggml.tokens", ["a", "bc", "déf"])
     writer.add_array("tokenizer.ggml.scores", [0.5, -1.0, 2.0])
     writer.add_tensor("first.weight", np.arange(64, dtype=np.float32).reshape(2, 32))
-    q8 = gguf.quants.quantize(
-        np.linspace(-1, 1, 128, dtype=np.float32).reshape(2, 64), gguf.GGMLQuantizationType.Q8_0
-    )
+    q8 = gguf.quants.quantize(np.linspace(-1, 1, 128, dtype=np.float32).reshape(2, 64), gguf.GGMLQuantizationType.Q8_0)
     writer.add_tensor("second.weight", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

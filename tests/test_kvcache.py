@@ -11,6 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+
+from ollama_engine.fs import GGUFFile
+from ollama_engine.fs.synthetic import write_synthetic
 from ollama_engine.kvcache import (
     Batch,
     CacheConfig,
@@ -21,9 +24,6 @@ from ollama_engine.kvcache import (
     attention,
     cache_dtype,
 )
-
-from ollama_engine.fs import GGUFFile
-from ollama_engine.fs.synthetic import write_synthetic
 from ollama_engine.ml import Backend, DType
 
 PERMUTED = pytest.mark.parametrize("permuted_v", [False, True], ids=["plain-v", "permuted-v"])

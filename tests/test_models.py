@@ -9,16 +9,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from ollama_engine.kvcache import Batch
-from ollama_engine.models import REGISTRY, ModelError, bind, load_model, model_class, registry_name
-from ollama_engine.models.llama import Layer, Llama, Options
-from ollama_engine.models.qwen2 import Qwen2, Qwen2Layer
-from ollama_engine.models.qwen3 import Qwen3
 
 from ollama_engine.fs import Config, GGUFFile
 from ollama_engine.fs.synthetic import write_synthetic
 from ollama_engine.generate import compute_logits, generate, prefill
+from ollama_engine.kvcache import Batch
 from ollama_engine.ml import Backend, DType
+from ollama_engine.models import REGISTRY, ModelError, bind, load_model, model_class, registry_name
+from ollama_engine.models.llama import Layer, Llama, Options
+from ollama_engine.models.qwen2 import Qwen2, Qwen2Layer
+from ollama_engine.models.qwen3 import Qwen3
 
 THREADS = 1  # tiny models: more threads only add synchronisation
 PROMPT = "The quick brown fox jumps over the lazy dog. It was"

@@ -7,6 +7,10 @@ import json
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+
+from ollama_engine.ml import DeviceID
+from ollama_engine.runner.inputs import Input
+from ollama_engine.runner.sequence import DoneReason, InputTooLongError, fit_prompt
 from ollama_engine.server.app import RunnerServer
 from ollama_engine.server.wire import (
     CompletionRequest,
@@ -19,10 +23,6 @@ from ollama_engine.server.wire import (
     encode,
     health_response,
 )
-
-from ollama_engine.ml import DeviceID
-from ollama_engine.runner.inputs import Input
-from ollama_engine.runner.sequence import DoneReason, InputTooLongError, fit_prompt
 
 # ---------------------------------------------------------------- encoding
 

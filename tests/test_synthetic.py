@@ -41,8 +41,8 @@ def expected_tensors(arch: str) -> dict[str, str]:
     names = {"token_embd.weight": "matrix"}
     if arch == "bert":
         names |= {
-            "token_types.weight": "matrix",
-            "position_embd.weight": "matrix",
+            "token_types.weight": "f32",
+            "position_embd.weight": "f32",
             "token_embd_norm.weight": "f32",
             "token_embd_norm.bias": "f32",
         }
@@ -210,9 +210,7 @@ def test_overrides_and_vocab_padding(tmp_path: Path) -> None:
     assert model.config.get_string("tokenizer.ggml.model") == "llama"
     assert model.tensors["token_embd.weight"].shape == (32, 32010)
     assert model.tensors["output.weight"].shape == (32, 32010)
-    assert {n for n in model.tensors if n.startswith("blk.")} == {
-        n for n in model.tensors if n.startswith("blk.0.")
-    }
+    assert {n for n in model.tensors if n.startswith("blk.")} == {n for n in model.tensors if n.startswith("blk.0.")}
 
 
 def test_presets_for_benchmarks() -> None:
@@ -239,9 +237,7 @@ def test_presets_for_benchmarks() -> None:
 
 
 def test_smollm_shape_with_gpt2_vocab(tmp_path: Path) -> None:
-    model = GGUFFile.open(
-        write_synthetic(tmp_path / "smol.gguf", "smollm2-135m", weight_type="Q8_0", n_layer=1)
-    )
+    model = GGUFFile.open(write_synthetic(tmp_path / "smol.gguf", "smollm2-135m", weight_type="Q8_0", n_layer=1))
     assert model.tensors["token_embd.weight"].shape == (576, 50257)
     assert "output.weight" not in model.tensors
     assert model.tensors["blk.0.attn_k.weight"].shape == (576, 192)
@@ -273,19 +269,23 @@ def test_bad_requests_are_clear_errors(tmp_path: Path, arch: str, kwargs: dict, 
     assert not (tmp_path / "bad.gguf").exists()
 
 
-def test_q4_k(tmp_path: Path) -> None:
+def write_q4_k(path: Path) -> Path:
     try:
         import ollama_engine.ggml  # noqa: F401
     except ImportError as e:
         pytest.skip(f"Q4_K is quantized by ggml through ollama_engine.ggml, which is not available: {e}")
-    path = write_synthetic(tmp_path / "q4k.gguf", "llama", weight_type="Q4_K", n_embd=256, n_ff=512)
-    model = GGUFFile.open(path)
+    return write_synthetic(path, "llama", weight_type="Q4_K", n_embd=256, n_ff=512)
+
+
+def test_q4_k(tmp_path: Path) -> None:
+    model = GGUFFile.open(write_q4_k(tmp_path / "q4k.gguf"))
     f32 = GGUFFile.open(write_synthetic(tmp_path / "f32.gguf", "llama", n_embd=256, n_ff=512))
     info = model.tensors["blk.0.ffn_up.weight"]
     assert info.ggml_type == gguf.GGMLQuantizationType.Q4_K and info.shape == (256, 512)
     values = gguf.quants.dequantize(model.tensor_data(info.name), info.ggml_type).reshape(-1)
     reference = f32.tensor_data(info.name).view(np.float32)
     assert np.abs(values - reference).max() <= 0.15 * np.abs(reference).max()
+    assert model.tensors["blk.0.ffn_norm.weight"].ggml_type == F32
 
 
 # ---------------------------------------------------------------- llama.cpp loads and runs them
@@ -293,9 +293,21 @@ def test_q4_k(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def llama_cpp():
-    return pytest.importorskip(
-        "llama_cpp", reason="the llama.cpp reference (llama-cpp-python) is not installed"
-    )
+    return pytest.importorskip("llama_cpp", reason="the llama.cpp reference (llama-cpp-python) is not installed")
+
+
+def run_prompt(llm) -> np.ndarray:
+    tokens = llm.tokenize(b"Once upon a time, there was a little robot")
+    llm.eval(tokens)
+    logits = np.array(llm.scores[: len(tokens)])
+    assert logits.shape == (len(tokens), llm.n_vocab())
+    return logits
+
+
+def assert_sane(logits: np.ndarray) -> None:
+    assert np.isfinite(logits).all()
+    assert (logits.std(axis=1) > 0.1).all()  # every position has spread-out logits
+    assert len(set(logits.argmax(axis=1).tolist())) > 1  # and the prediction depends on the input
 
 
 @pytest.mark.reference
@@ -305,13 +317,13 @@ def test_llama_cpp_runs_synthetic_model(llama_cpp, model_dir: Path, arch: str, w
     llm = llama_cpp.Llama(
         model_path=str(synthetic(model_dir, arch, weight_type)), n_ctx=128, logits_all=True, verbose=False
     )
-    tokens = llm.tokenize(b"Once upon a time, there was a little robot")
-    llm.eval(tokens)
-    logits = np.array(llm.scores[: len(tokens)])
-    assert logits.shape == (len(tokens), llm.n_vocab())
-    assert np.isfinite(logits).all()
-    assert (logits.std(axis=1) > 0.1).all()  # every position has spread-out logits
-    assert len(set(logits.argmax(axis=1).tolist())) > 1  # and the prediction depends on the input
+    assert_sane(run_prompt(llm))
+
+
+@pytest.mark.reference
+def test_llama_cpp_runs_q4_k_model(llama_cpp, tmp_path: Path) -> None:
+    path = write_q4_k(tmp_path / "q4k.gguf")
+    assert_sane(run_prompt(llama_cpp.Llama(model_path=str(path), n_ctx=128, logits_all=True, verbose=False)))
 
 
 @pytest.mark.reference

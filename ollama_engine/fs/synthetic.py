@@ -4,9 +4,9 @@ They make every architecture testable and benchmarkable without downloads. Token
 verbatim from one of llama.cpp's vocab-only files (models/ggml-vocab-<name>.gguf). Weights are
 normal(0, 1/sqrt(fan_in)) so each layer's outputs keep roughly unit variance and logits are spread
 (logits-parity tests need clear winners, not near-ties); norms are near 1.0, biases small. Norms,
-biases and rope_freqs stay F32 as llama.cpp's converters leave them; every matrix, token_embd
-included, gets the requested weight type. Each tensor draws from its own generator seeded by
-(seed, name), so a tensor's values do not depend on which other tensors the file has.
+biases, rope_freqs and BERT's position and token-type tables stay F32 as llama.cpp leaves them;
+every other matrix, token_embd included, gets the requested weight type. Each tensor draws from its
+own generator seeded by (seed, name), so a tensor's values do not depend on the file's other tensors.
 """
 
 from __future__ import annotations
@@ -218,7 +218,7 @@ def write_synthetic(
 class _Tensor:
     name: str
     shape: tuple[int, ...]  # ggml order (ne0 first)
-    kind: str  # "matrix", "norm", "bias" or "rope_freqs"
+    kind: str  # "matrix", "table" (a matrix kept F32), "norm", "bias" or "rope_freqs"
     qtype: GGMLQuantizationType
 
     @property
@@ -263,8 +263,9 @@ def _tensor_plan(spec: ModelSpec, n_vocab: int, qtype: GGMLQuantizationType) -> 
     yield tensor(MODEL_TENSOR.TOKEN_EMBD, "weight", (n_embd, n_vocab), "matrix")
 
     if spec.arch == "bert":
-        yield tensor(MODEL_TENSOR.TOKEN_TYPES, "weight", (n_embd, 2), "matrix")
-        yield tensor(MODEL_TENSOR.POS_EMBD, "weight", (n_embd, spec.context_length), "matrix")
+        # llama.cpp's quantizer never touches these two, and it adds a view of token_types, so F32.
+        yield tensor(MODEL_TENSOR.TOKEN_TYPES, "weight", (n_embd, 2), "table")
+        yield tensor(MODEL_TENSOR.POS_EMBD, "weight", (n_embd, spec.context_length), "table")
         yield tensor(MODEL_TENSOR.TOKEN_EMBD_NORM, "weight", (n_embd,), "norm")
         yield tensor(MODEL_TENSOR.TOKEN_EMBD_NORM, "bias", (n_embd,), "bias")
         for i in range(spec.n_layer):
@@ -346,9 +347,7 @@ def _tokenizer_values(spec: ModelSpec) -> dict[str, tuple[Any, GGUFValueType, GG
         raise ValueError(f"no llama.cpp vocab {spec.vocab!r} ({vocab_path}); available: {available}")
     source = GGUFFile.open(vocab_path)
     values = {
-        key: (value, *source.value_types[key])
-        for key, value in source.metadata.items()
-        if key.startswith("tokenizer.")
+        key: (value, *source.value_types[key]) for key, value in source.metadata.items() if key.startswith("tokenizer.")
     }
     if spec.arch == "bert" and "tokenizer.ggml.token_type_count" not in values:
         values["tokenizer.ggml.token_type_count"] = (2, GGUFValueType.UINT32, None)
@@ -356,9 +355,7 @@ def _tokenizer_values(spec: ModelSpec) -> dict[str, tuple[Any, GGUFValueType, GG
     n_tokens = len(values["tokenizer.ggml.tokens"][0])
     n_vocab = spec.n_vocab if spec.n_vocab is not None else n_tokens
     if n_vocab < n_tokens:
-        raise ValueError(
-            f"{spec.name}: n_vocab {n_vocab} is smaller than the {spec.vocab} vocab ({n_tokens})"
-        )
+        raise ValueError(f"{spec.name}: n_vocab {n_vocab} is smaller than the {spec.vocab} vocab ({n_tokens})")
     n_pad = n_vocab - n_tokens
     padding = {
         "tokenizer.ggml.tokens": [f"[PAD{i}]" for i in range(n_tokens, n_vocab)],

@@ -1,0 +1,137 @@
+"""BERT sentence embeddings: learned positions, post-norm encoder layers, pooling, L2 normalisation.
+
+The input is token + token-type (always type 0, "sentence A") + position embeddings, layer-normed.
+Each layer: h = norm(h + attn_output(attention(q, k, v))), then h = norm(h + ffn_down(gelu(ffn_up(h)))),
+with biases everywhere and every token attending to every other. There is no KV cache: the runner sends
+the whole input as one batch, and the model pools it into one vector (mean of the tokens, the first
+token [CLS], or the last) that is L2-normalised unless `bert.normalize_embeddings` is false.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import IntEnum
+
+import numpy as np
+
+from ollama_engine.fs import Config
+from ollama_engine.kvcache import Batch, attention
+from ollama_engine.ml import Backend, Context, Tensor
+from ollama_engine.tokenizer import Tokenizer
+
+from .base import Model, ModelError, bind, register, require_uint, weight
+
+
+class Pooling(IntEnum):
+    """`<arch>.pooling_type`, llama.cpp's enum llama_pooling_type."""
+
+    NONE = 0
+    MEAN = 1
+    CLS = 2
+    LAST = 3
+
+
+@dataclass
+class Layer:
+    attn_q: Tensor = weight("attn_q.weight")
+    attn_q_bias: Tensor = weight("attn_q.bias")
+    attn_k: Tensor = weight("attn_k.weight")
+    attn_k_bias: Tensor = weight("attn_k.bias")
+    attn_v: Tensor = weight("attn_v.weight")
+    attn_v_bias: Tensor = weight("attn_v.bias")
+    attn_output: Tensor = weight("attn_output.weight")
+    attn_output_bias: Tensor = weight("attn_output.bias")
+    attn_output_norm: Tensor = weight("attn_output_norm.weight")
+    attn_output_norm_bias: Tensor = weight("attn_output_norm.bias")
+    ffn_up: Tensor = weight("ffn_up.weight")
+    ffn_up_bias: Tensor = weight("ffn_up.bias")
+    ffn_down: Tensor = weight("ffn_down.weight")
+    ffn_down_bias: Tensor = weight("ffn_down.bias")
+    layer_output_norm: Tensor = weight("layer_output_norm.weight")
+    layer_output_norm_bias: Tensor = weight("layer_output_norm.bias")
+
+
+@dataclass
+class Weights:
+    token_embd: Tensor = weight("token_embd.weight")
+    token_types: Tensor = weight("token_types.weight")
+    position_embd: Tensor = weight("position_embd.weight")
+    token_embd_norm: Tensor = weight("token_embd_norm.weight")
+    token_embd_norm_bias: Tensor = weight("token_embd_norm.bias")
+
+
+@dataclass(frozen=True)
+class Options:
+    block_count: int
+    hidden: int
+    heads: int
+    head_dim: int
+    eps: float
+    pooling: Pooling
+    normalize: bool
+
+    @classmethod
+    def from_config(cls, config: Config) -> Options:
+        hidden = require_uint(config, "embedding_length")
+        heads = require_uint(config, "attention.head_count")
+        if heads == 0 or hidden % heads:
+            raise ModelError(f"embedding_length {hidden} must be a multiple of attention.head_count {heads}")
+        pooling = config.get_uint("pooling_type", 0)
+        if pooling not in set(Pooling):
+            raise ModelError(f"{config.full_key('pooling_type')} {pooling} is not one of "
+                             f"{', '.join(f'{p.value} ({p.name.lower()})' for p in Pooling)}")
+        return cls(
+            block_count=require_uint(config, "block_count"),
+            hidden=hidden,
+            heads=heads,
+            head_dim=hidden // heads,
+            eps=config.get_float("attention.layer_norm_epsilon", 1e-12),
+            pooling=Pooling(pooling),
+            normalize=config.get_bool("normalize_embeddings", True),
+        )
+
+
+@register("bert", "bert_embed")
+class Bert(Model):
+    def __init__(self, backend: Backend, tokenizer: Tokenizer | None):
+        super().__init__(backend, tokenizer)
+        self.options = Options.from_config(self.config)
+        self.weights = bind(Weights, backend)
+        self.layers = [bind(Layer, backend, f"blk.{i}.") for i in range(self.options.block_count)]
+        self.cache = None  # an encoder: every batch is a whole input
+
+    def forward(self, ctx: Context, batch: Batch) -> Tensor | None:
+        """The pooled embedding (hidden,) of the batch, or every token's hidden state without pooling."""
+        if batch.tokens is None:
+            raise ValueError("a text model's batch needs token ids")
+        o, w, n = self.options, self.weights, len(batch)
+        inputs = ctx.input()
+        tokens = inputs.from_numpy(batch.tokens).set_name("tokens")
+        positions = inputs.from_numpy(batch.positions).set_name("positions")
+        sentence_a = w.token_types.rows(inputs.from_numpy(np.zeros(1, dtype=np.int32)).set_name("token_type"))
+        h = w.token_embd.rows(tokens).add(sentence_a).add(w.position_embd.rows(positions))
+        h = h.layer_norm(w.token_embd_norm, w.token_embd_norm_bias, o.eps)
+        scale = 1.0 / math.sqrt(o.head_dim)
+        for layer in self.layers:
+            q = layer.attn_q.matmul(h).add(layer.attn_q_bias).reshape(o.head_dim, o.heads, n)
+            k = layer.attn_k.matmul(h).add(layer.attn_k_bias).reshape(o.head_dim, o.heads, n)
+            v = layer.attn_v.matmul(h).add(layer.attn_v_bias).reshape(o.head_dim, o.heads, n)
+            a = attention(ctx, q, k, v, scale).reshape(o.hidden, n)
+            a = layer.attn_output.matmul(a).add(layer.attn_output_bias)
+            h = a.add(h).layer_norm(layer.attn_output_norm, layer.attn_output_norm_bias, o.eps)
+            f = layer.ffn_up.matmul(h).add(layer.ffn_up_bias).gelu()
+            f = layer.ffn_down.matmul(f).add(layer.ffn_down_bias)
+            h = f.add(h).layer_norm(layer.layer_output_norm, layer.layer_output_norm_bias, o.eps)
+        if o.pooling == Pooling.NONE:
+            return h
+        h = self.pool(h)
+        return h.l2_norm(1e-12) if o.normalize else h
+
+    def pool(self, h: Tensor) -> Tensor:
+        """One (hidden,) vector from the hidden states (hidden, n) of the batch's tokens."""
+        o, n = self.options, h.ne[1]
+        if o.pooling == Pooling.MEAN:
+            return h.transpose().contiguous().mean().reshape(o.hidden)
+        row = 0 if o.pooling == Pooling.CLS else n - 1
+        return h.view(row * h.strides[1], [o.hidden]).contiguous()
