@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 from pathlib import Path
 
-import gguf
 import numpy as np
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-import ollama_engine.models.bert  # noqa: F401 - registers bert (see the report: models/__init__ should import it)
 from ollama_engine.fs.synthetic import write_synthetic
 from ollama_engine.models import load_model
 from ollama_engine.models.bert import Pooling
@@ -33,17 +30,6 @@ THREADS = 1
 TOLERANCE = {"F32": 1e-6, "F16": 1e-6}
 
 
-def with_pooling(source: Path, target: Path, pooling: Pooling) -> Path:
-    """A copy of the GGUF file at source with bert.pooling_type set to pooling."""
-    shutil.copyfile(source, target)
-    reader = gguf.GGUFReader(target, "r+")
-    field = reader.fields["bert.pooling_type"]
-    field.parts[field.data[0]][0] = int(pooling)
-    reader.data.flush()
-    del reader
-    return target
-
-
 @pytest.fixture(scope="module")
 def bert(tmp_path_factory: pytest.TempPathFactory):
     folder = tmp_path_factory.mktemp("embeddings")
@@ -51,11 +37,10 @@ def bert(tmp_path_factory: pytest.TempPathFactory):
 
     def write(weight_type: str, pooling: Pooling) -> Path:
         if (weight_type, pooling) not in written:
-            base = folder / f"bert-{weight_type}.gguf"
-            if not base.exists():
-                write_synthetic(base, "bert", weight_type=weight_type)
             target = folder / f"bert-{weight_type}-{pooling.name.lower()}.gguf"
-            written[weight_type, pooling] = with_pooling(base, target, pooling)
+            written[weight_type, pooling] = write_synthetic(
+                target, "bert", weight_type=weight_type, pooling_type=int(pooling)
+            )
         return written[weight_type, pooling]
 
     return write

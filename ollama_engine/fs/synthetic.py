@@ -62,6 +62,7 @@ class ModelSpec:
     rope_freqs: bool = False  # Llama-3 style per-frequency rope factors
     qkv_bias: bool = False
     qk_norm: bool = False
+    pooling_type: int = int(gguf.PoolingType.CLS)  # bert only: 1 mean, 2 CLS, 3 last
     name: str = "synthetic"
 
     @property
@@ -327,7 +328,7 @@ def _add_hparams(writer: gguf.GGUFWriter, spec: ModelSpec, n_vocab: int, file_ty
     if spec.arch == "bert":
         writer.add_layer_norm_eps(spec.eps)
         writer.add_causal_attention(False)
-        writer.add_pooling_type(gguf.PoolingType.CLS)
+        writer.add_pooling_type(gguf.PoolingType(spec.pooling_type))
         return
     writer.add_layer_norm_rms_eps(spec.eps)
     writer.add_rope_freq_base(spec.rope_base)
