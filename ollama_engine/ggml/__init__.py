@@ -172,10 +172,6 @@ def set_buffer(t, buffer) -> None:
     t.buffer = buffer
 
 
-def same(a, b) -> bool:
-    return a == b
-
-
 # ---------------------------------------------------------------- data transfer
 
 

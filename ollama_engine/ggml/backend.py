@@ -81,9 +81,6 @@ def set_threads(cpu_backend, n_threads: int) -> None:
     lib.ggml_backend_cpu_set_n_threads(cpu_backend, n_threads)
 
 
-def backend_name(backend) -> str:
-    return _string(lib.ggml_backend_name(backend))
-
 
 # ---------------------------------------------------------------- buffer types and buffers
 
@@ -92,16 +89,10 @@ def default_buffer_type(dev):
     return lib.ggml_backend_dev_buffer_type(dev)
 
 
-def buffer_type_name(buft) -> str:
-    return _string(lib.ggml_backend_buft_name(buft))
-
 
 def alignment(buft) -> int:
     return lib.ggml_backend_buft_get_alignment(buft)
 
-
-def is_host(buft) -> bool:
-    return bool(lib.ggml_backend_buft_is_host(buft))
 
 
 def padded_alloc_size(buft, tensor) -> int:
@@ -110,9 +101,6 @@ def padded_alloc_size(buft, tensor) -> int:
     align = alignment(buft)
     return (size + align - 1) // align * align
 
-
-def context_alloc_size(ctx, buft) -> int:
-    return lib.ggml_backend_alloc_ctx_tensors_from_buft_size(ctx, buft)
 
 
 def alloc_context_tensors(ctx, buft):
@@ -195,8 +183,6 @@ class Scheduler:
     def reset(self) -> None:
         lib.ggml_backend_sched_reset(self.handle)
 
-    def n_splits(self) -> int:
-        return lib.ggml_backend_sched_get_n_splits(self.handle)
 
     def free(self) -> None:
         if self.handle != NULL:
@@ -207,9 +193,6 @@ class Scheduler:
 def new_graph(ctx, size: int):
     return lib.ggml_new_graph_custom(ctx, size, False)
 
-
-def graph_overhead(size: int) -> int:
-    return lib.ggml_graph_overhead_custom(size, False)
 
 
 def graph_n_nodes(graph) -> int:
