@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -34,6 +35,17 @@ from .cache import (
 
 Layout = tuple[int, int, int]
 """(batch size, first history cell, history length): what a graph built for a batch depends on."""
+
+
+@dataclass(frozen=True)
+class _Bound:
+    """The inputs bind() created in one context: the arrays it writes at every compute, and their tensors."""
+
+    layout: Layout
+    locs: np.ndarray
+    mask: np.ndarray
+    locs_tensor: Tensor
+    mask_tensor: Tensor
 
 
 class Causal:
@@ -107,8 +119,8 @@ class Causal:
         self._values: dict[int, Tensor] = {}
         self._layer = 0
         self._batch: Batch | None = None
-        self._ctx: Context | None = None
-        self._bound_layout: Layout | None = None
+        self._bound: _Bound | None = None  # the inputs of the context bound last
+        self._bound_serial = 0
 
     def close(self) -> None:
         if self._backend is not None:
@@ -165,20 +177,18 @@ class Causal:
     def bind(self, ctx: Context) -> None:
         """Create the batch's cell-index and mask inputs in ctx, or refill them if ctx already has them."""
         self._require_batch()
-        if self._ctx is not None and ctx.serial == self._ctx.serial and self._bound_layout == self.layout:
+        bound = ctx.bindings.get(self)
+        if isinstance(bound, _Bound) and bound.layout == self.layout:
             # The context keeps the arrays it was given and writes them at every compute.
-            np.copyto(self._bound_locs, self._locs)
-            np.copyto(self._bound_mask, self._mask)
-            return
-        self._ctx = ctx
-        self._bound_layout = self.layout
-        self._bound_locs = self._locs
-        self._loc_tensor = ctx.input().from_numpy(self._bound_locs).set_name("kv_cells")
-        self._bind_mask(ctx)
-
-    def _bind_mask(self, ctx: Context) -> None:
-        self._bound_mask = self._mask
-        self._mask_tensor = ctx.input().from_numpy(self._bound_mask).set_name("kq_mask")
+            np.copyto(bound.locs, self._locs)
+            np.copyto(bound.mask, self._mask)
+        else:
+            inputs = ctx.input()
+            bound = _Bound(self.layout, self._locs, self._mask,
+                           inputs.from_numpy(self._locs).set_name("kv_cells"),
+                           inputs.from_numpy(self._mask).set_name("kq_mask"))
+            ctx.bindings[self] = bound
+        self._bound, self._bound_serial = bound, ctx.serial
 
     def set_causal(self, ctx: Context, except_indices: Sequence[int] = ()) -> None:
         """Let the listed batch entries see the whole batch (e.g. image tokens); reset by every prepare."""
@@ -189,7 +199,7 @@ class Causal:
             return
         self._except = flags
         self._mask = self._build_mask()
-        self._bind_mask(ctx)
+        np.copyto(self._bound.mask, self._mask)
 
     def set_layer(self, layer: int) -> None:
         self._layer = layer
@@ -202,7 +212,7 @@ class Causal:
         keys, values = self._layer_tensors(key, value)
         k_width, v_width = key.ne[0] * key.ne[1], value.ne[0] * value.ne[1]
         ctx.forward(Tensor(ctx, keys.handle).reshape(k_width, self._cells).set_rows(
-            key.reshape(k_width, n), self._loc_tensor))
+            key.reshape(k_width, n), self._bound.locs_tensor))
         if self.config.permuted_v:
             # one-element rows: cell index fastest, so each (dim, head) is a contiguous run of cells
             rows = value.reshape(v_width, 1, n).permute(2, 0, 1, 3)
@@ -210,7 +220,7 @@ class Causal:
         else:
             rows = value.reshape(v_width, n)
             target = Tensor(ctx, values.handle).reshape(v_width, self._cells)
-        ctx.forward(target.set_rows(rows, self._loc_tensor))
+        ctx.forward(target.set_rows(rows, self._bound.locs_tensor))
 
     def get(self, ctx: Context) -> tuple[Tensor, Tensor, Tensor]:
         self._require_bound(ctx)
@@ -225,7 +235,7 @@ class Causal:
         else:
             value = Tensor(ctx, values.handle).view(
                 values.strides[2] * self._start, (values.ne[0], values.ne[1], length))
-        return key, value, self._mask_tensor
+        return key, value, self._bound.mask_tensor
 
     # ------------------------------------------------------------ sequences
 
@@ -298,7 +308,7 @@ class Causal:
 
     def _require_bound(self, ctx: Context) -> None:
         self._require_batch()
-        if self._ctx is None or ctx.serial != self._ctx.serial or self._bound_layout != self.layout:
+        if self._bound is None or ctx.serial != self._bound_serial or self._bound.layout != self.layout:
             raise RuntimeError("the batch is not bound to this context: call start_forward() (or bind()) with it")
 
     def _ensure_sequences(self, count: int) -> None:

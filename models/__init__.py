@@ -18,6 +18,7 @@ from ollama_engine.tokenizer import from_metadata
 
 from . import bert, llama, qwen2, qwen3  # noqa: F401 - importing an architecture registers it
 from .base import REGISTRY, Model, ModelError, bind, model_class, register, registry_name, require_uint, weight
+from .graphs import Graph, Graphs
 
 
 def load_model(
@@ -50,6 +51,6 @@ def forward(model: Model, ctx: Context, batch: Batch) -> Tensor | None:
 
 
 __all__ = [
-    "REGISTRY", "Model", "ModelError", "bind", "forward", "load_model", "model_class", "register",
+    "REGISTRY", "Graph", "Graphs", "Model", "ModelError", "bind", "forward", "load_model", "model_class", "register",
     "registry_name", "require_uint", "weight",
 ]

@@ -22,6 +22,8 @@ from ollama_engine.kvcache import Batch, Cache
 from ollama_engine.ml import Backend, Context, Tensor
 from ollama_engine.tokenizer import Tokenizer
 
+from .graphs import Graphs
+
 T = TypeVar("T")
 
 
@@ -67,6 +69,9 @@ class Model:
     """
 
     cache: Cache | None
+    reuse_graphs = False
+    """True when every graph input forward() creates, apart from the cache's, is a batch array named
+    after it (see graphs.BATCH_INPUTS): then a built graph can serve later batches of the same shape."""
 
     def __init__(self, backend: Backend, tokenizer: Tokenizer | None):
         if backend.model is None:
@@ -74,6 +79,7 @@ class Model:
         self.backend = backend
         self.config = backend.model.config
         self.tokenizer = tokenizer
+        self.graphs = Graphs(self)
 
     def forward(self, ctx: Context, batch: Batch) -> Tensor | None:
         raise NotImplementedError
@@ -83,6 +89,7 @@ class Model:
         raise NotImplementedError
 
     def close(self) -> None:
+        self.graphs.close()
         if self.cache is not None:
             self.cache.close()
         self.backend.close()

@@ -86,6 +86,7 @@ class Options:
 class Llama(Model):
     layer_type: type[Layer] = Layer
     rope_options = RopeOptions(neox=False)
+    reuse_graphs = True
 
     def __init__(self, backend: Backend, tokenizer: Tokenizer | None):
         super().__init__(backend, tokenizer)

@@ -18,24 +18,13 @@ import numpy as np
 
 from ollama_engine.kvcache import Batch
 from ollama_engine.ml import DType
-from ollama_engine.models import Model, forward, load_model
+from ollama_engine.models import Model, load_model
 from ollama_engine.sample import Sampler
 
 log = logging.getLogger(__name__)
 
 BATCH_SIZE = 512
 DEFAULT_CONTEXT = 4096  # when the file states no context length
-
-
-def compute_logits(model: Model, batch: Batch) -> np.ndarray | None:
-    """Run one batch through the model: logits (len(batch.outputs), vocab), or None if it asks for none."""
-    with model.backend.new_context() as ctx:
-        logits = forward(model, ctx, batch)
-        if logits is None:
-            ctx.compute()
-            return None
-        ctx.compute(logits)
-        return logits.numpy().reshape(len(batch.outputs), -1)
 
 
 def prefill(model: Model, tokens: list[int], position: int = 0, batch_size: int = BATCH_SIZE) -> np.ndarray:
@@ -52,7 +41,7 @@ def prefill(model: Model, tokens: list[int], position: int = 0, batch_size: int 
             outputs=[len(chunk) - 1] if last else [],
             tokens=chunk,
         )
-        logits = compute_logits(model, batch)
+        logits = model.graphs.compute(batch)
     assert logits is not None
     return logits[0]
 
@@ -114,7 +103,7 @@ def _generate(model: Model, prompt: str, n: int, sampler: Sampler, out: TextIO) 
             break
         position = len(tokens) + len(generated) - 1
         batch = Batch(positions=[position], sequences=[0], outputs=[0], tokens=[token])
-        logits = compute_logits(model, batch)[0]
+        logits = model.graphs.compute(batch)[0]
     out.write(text.decode(b"", final=True))
     out.flush()
     log.info("generated %d tokens in %.2fs", len(generated), time.perf_counter() - started)

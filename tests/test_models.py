@@ -12,7 +12,7 @@ import pytest
 
 from ollama_engine.fs import Config, GGUFFile
 from ollama_engine.fs.synthetic import write_synthetic
-from ollama_engine.generate import compute_logits, generate, prefill
+from ollama_engine.generate import generate, prefill
 from ollama_engine.kvcache import Batch
 from ollama_engine.ml import Backend, DType
 from ollama_engine.models import REGISTRY, ModelError, bind, load_model, model_class, registry_name
@@ -133,8 +133,8 @@ def test_only_the_requested_rows_reach_the_output_layer(synthetic, arch):
     try:
         tokens = everything.tokenizer.encode(PROMPT)
         n = len(tokens)
-        full = compute_logits(everything, prompt_batch(tokens))
-        picked = compute_logits(some, prompt_batch(tokens, outputs=[n - 1, 2]))
+        full = everything.graphs.compute(prompt_batch(tokens))
+        picked = some.graphs.compute(prompt_batch(tokens, outputs=[n - 1, 2]))
         assert full.shape == (n, everything.tokenizer.vocab_size)
         assert picked.shape == (2, everything.tokenizer.vocab_size)
         np.testing.assert_allclose(picked, full[[n - 1, 2]], rtol=0, atol=1e-4)
@@ -148,8 +148,8 @@ def test_batches_without_outputs_still_fill_the_cache(synthetic):
     whole, split = open_model(path), open_model(path)
     try:
         tokens = whole.tokenizer.encode(PROMPT)
-        expected = compute_logits(whole, prompt_batch(tokens, outputs=[len(tokens) - 1]))[0]
-        assert compute_logits(split, prompt_batch(tokens[:5], outputs=[])) is None
+        expected = whole.graphs.compute(prompt_batch(tokens, outputs=[len(tokens) - 1]))[0]
+        assert split.graphs.compute(prompt_batch(tokens[:5], outputs=[])) is None
         np.testing.assert_allclose(prefill(split, tokens[5:], 5), expected, rtol=0, atol=1e-4)
     finally:
         whole.close()
@@ -160,7 +160,7 @@ def test_a_batch_needs_token_ids(synthetic):
     model = open_model(synthetic("llama"))
     try:
         with pytest.raises(ValueError, match="token ids"):
-            compute_logits(model, Batch(positions=[0], sequences=[0], outputs=[0]))
+            model.graphs.compute(Batch(positions=[0], sequences=[0], outputs=[0]))
     finally:
         model.close()
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from ollama_engine.fs.synthetic import write_synthetic
-from ollama_engine.generate import compute_logits, generate, prefill
+from ollama_engine.generate import generate, prefill
 from ollama_engine.kvcache import Batch
 from ollama_engine.ml import DType
 from ollama_engine.models import load_model
@@ -54,24 +54,9 @@ def synthetic(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture
-def reference(monkeypatch: pytest.MonkeyPatch):
-    """Opens llama.cpp on a file, laid out as we lay out weights.
-
-    llama.cpp repacks Q4_0 weights at load for its CPU gemm kernels (an "extra buffer type"), which
-    rounds differently: logits move by up to ~0.06 on some rows. We keep ggml's plain layout, so the
-    reference is told to as well (llama-cpp-python has no argument for it: patch its default params).
-    """
+def reference():
+    """Opens llama.cpp on a file with its defaults (Q4_0 weights repacked for the CPU, as ours are)."""
     import llama_cpp
-    import llama_cpp.llama_cpp as api
-
-    plain = api.llama_model_default_params
-
-    def without_repacking():
-        params = plain()
-        params.use_extra_bufts = False
-        return params
-
-    monkeypatch.setattr(api, "llama_model_default_params", without_repacking)
 
     def open_reference(path: Path, n_batch: int = CONTEXT):
         return llama_cpp.Llama(
@@ -124,7 +109,7 @@ def test_prompt_logits_match(synthetic, reference, name, weight_type):
     model = open_model(path)
     try:
         tokens = model.tokenizer.encode(PROMPT)
-        ours = compute_logits(model, all_rows(tokens, 0))
+        ours = model.graphs.compute(all_rows(tokens, 0))
     finally:
         model.close()
     expected = reference_logits(reference(path), tokens)
@@ -164,11 +149,11 @@ def test_batched_prompt_then_decode_matches(synthetic, reference, stories_path, 
     model = open_model(path, max_batch=4)
     try:
         prompt = model.tokenizer.encode(PROMPT)
-        rows = [compute_logits(model, all_rows(prompt[i : i + 4], i)) for i in range(0, len(prompt), 4)]
+        rows = [model.graphs.compute(all_rows(prompt[i : i + 4], i)) for i in range(0, len(prompt), 4)]
         tokens = list(prompt)
         for _ in range(8):  # decode our own greedy choices one at a time
             tokens.append(int(np.argmax(rows[-1][-1])))
-            rows.append(compute_logits(model, all_rows(tokens[-1:], len(tokens) - 1)))
+            rows.append(model.graphs.compute(all_rows(tokens[-1:], len(tokens) - 1)))
     finally:
         model.close()
     ours = np.concatenate(rows)

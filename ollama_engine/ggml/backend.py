@@ -81,7 +81,6 @@ def set_threads(cpu_backend, n_threads: int) -> None:
     lib.ggml_backend_cpu_set_n_threads(cpu_backend, n_threads)
 
 
-
 # ---------------------------------------------------------------- buffer types and buffers
 
 
@@ -89,10 +88,43 @@ def default_buffer_type(dev):
     return lib.ggml_backend_dev_buffer_type(dev)
 
 
+def extra_buffer_types(dev) -> list:
+    """The device's extra weight buffer types (the CPU's repacked layouts for faster matmul kernels)."""
+    reg = lib.ggml_backend_dev_backend_reg(dev)
+    address = lib.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_dev_get_extra_bufts")
+    if address == NULL:
+        return []
+    listing = ffi.cast("ggml_backend_buffer_type_t * (*)(ggml_backend_dev_t)", address)(dev)
+    found = []
+    while listing != NULL and listing[len(found)] != NULL:
+        found.append(listing[len(found)])
+    return found
+
+
+def buffer_type_name(buft) -> str:
+    return _string(lib.ggml_backend_buft_name(buft))
+
+
+def supports_matmul_weight(dev, buft, ggml_type: int, shape: tuple[int, ...]) -> bool:
+    """Whether the device can multiply by a weight of this type and shape stored in a buffer of `buft`.
+
+    Asked the way the scheduler will meet it: a mul_mat of the weight, placed in a zero-sized buffer
+    of that type, by a batch of F32 rows.
+    """
+    ctx = lib.ggml_init({"mem_size": 4 * lib.ggml_tensor_overhead(), "mem_buffer": NULL, "no_alloc": True})
+    buffer = lib.ggml_backend_buft_alloc_buffer(buft, 0)
+    try:
+        probe = lib.ggml_new_tensor(ctx, ggml_type, len(shape), ffi.new("int64_t[]", shape))
+        probe.buffer = buffer
+        rows = lib.ggml_new_tensor_2d(ctx, lib.GGML_TYPE_F32, shape[0], 512)
+        return bool(lib.ggml_backend_dev_supports_op(dev, lib.ggml_mul_mat(ctx, probe, rows)))
+    finally:
+        lib.ggml_backend_buffer_free(buffer)
+        lib.ggml_free(ctx)
+
 
 def alignment(buft) -> int:
     return lib.ggml_backend_buft_get_alignment(buft)
-
 
 
 def padded_alloc_size(buft, tensor) -> int:
@@ -100,7 +132,6 @@ def padded_alloc_size(buft, tensor) -> int:
     size = lib.ggml_backend_buft_get_alloc_size(buft, tensor)
     align = alignment(buft)
     return (size + align - 1) // align * align
-
 
 
 def alloc_context_tensors(ctx, buft):
@@ -132,6 +163,10 @@ def mark_weights(buffer) -> None:
 
 def clear_buffer(buffer, value: int = 0) -> None:
     lib.ggml_backend_buffer_clear(buffer, value)
+
+
+def buffer_type_of(buffer):
+    return lib.ggml_backend_buffer_get_type(buffer)
 
 
 def buffer_size(buffer) -> int:
@@ -192,7 +227,6 @@ class Scheduler:
 
 def new_graph(ctx, size: int):
     return lib.ggml_new_graph_custom(ctx, size, False)
-
 
 
 def graph_n_nodes(graph) -> int:

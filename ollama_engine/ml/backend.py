@@ -66,8 +66,10 @@ class Backend:
         num_threads: int | None = None,
         flash_attention: bool = False,
         memory_limits: dict[str, int] | None = None,
+        repack_weights: bool = True,
     ):
         self.model = model
+        self.repack_weights = repack_weights
         self.allocate = allocate
         self.flash_attention = flash_attention
         self.block_count = model.config.get_uint("block_count", 0) if model is not None else 0
@@ -86,9 +88,11 @@ class Backend:
         self._weight_contexts: list = []
         self.weights: dict[str, Tensor] = {}
         self._load_targets: dict[str, list[Tensor]] = {}
+        self._repacked: set[str] = set()  # weights in a repacked layout: written whole, never read back
         self._backends: list = []
         self.scheduler: ggml_backend.Scheduler | None = None
         self.compute_lock = threading.Lock()
+        self.allocated_graph = None  # the graph the scheduler's compute buffers are laid out for
         try:
             self._create_weights()
             self._create_scheduler(num_threads or default_threads())
@@ -182,14 +186,29 @@ class Backend:
 
     # ------------------------------------------------------------ weights
 
+    def _weight_buffer_type(self, placement: Placement, info, extra: list):
+        """The buffer type a weight is stored in: the device's default, or on the CPU a repacked layout.
+
+        Repacked layouts (ggml's CPU_REPACK, e.g. Q4_0 in interleaved blocks on AVX2) have faster matmul
+        kernels; llama.cpp uses them by default. Input tensors (token embeddings) are read by row, not
+        multiplied, so they keep the plain layout.
+        """
+        device = placement.device
+        if device is self.cpu and placement.layer is not None and len(info.shape) == 2:
+            for buft in extra:
+                if ggml_backend.supports_matmul_weight(device.handle, buft, int(info.ggml_type), tuple(info.shape)):
+                    return buft
+        return device.buffer_type
+
     def _create_weights(self) -> None:
-        by_device: dict[int, tuple[Device, list]] = {}
+        extra = ggml_backend.extra_buffer_types(self.cpu.handle) if self.repack_weights else []
+        groups: dict[tuple, list] = {}  # (device, buffer type) -> [(placement, info)]
         for info in self.model.tensors.values() if self.model is not None else ():
             for placement in self.placements(info.name):
-                key = id(placement.device.handle)
-                by_device.setdefault(key, (placement.device, []))[1].append((placement, info))
-        groups = []
-        for device, entries in by_device.values():
+                buft = self._weight_buffer_type(placement, info, extra)
+                groups.setdefault((placement.device, buft), []).append((placement, info))
+        allocations = []
+        for (device, buft), entries in groups.items():
             ctx = ggml.new_context(len(entries))
             self._weight_contexts.append(ctx)
             handles = []
@@ -199,23 +218,27 @@ class Backend:
                 tensor = Tensor(None, handle)
                 self.weights[placement.name] = tensor
                 self._load_targets.setdefault(info.name, []).append(tensor)
+                if buft != device.buffer_type:
+                    self._repacked.add(placement.name)
                 handles.append(handle)
-                size = ggml_backend.padded_alloc_size(device.buffer_type, handle)
-                self._record(device, placement.layer, size, "weights")
-            groups.append((device, ctx, handles))
+                self._record(device, placement.layer, ggml_backend.padded_alloc_size(buft, handle), "weights")
+            allocations.append((device, buft, ctx, handles))
         # every weight is sized before anything is allocated, so a failure reports all of them
-        for device, ctx, handles in groups:
+        for device, buft, ctx, handles in allocations:
             if not self.allocate:
                 buffer = self.placeholder_buffer(device)
                 for handle in handles:
                     ggml.set_buffer(handle, buffer)
                 continue
             fits = self._within_limit(device)
-            buffer = ggml_backend.alloc_context_tensors(ctx, device.buffer_type) if fits else None
+            buffer = ggml_backend.alloc_context_tensors(ctx, buft) if fits else None
             if buffer is None:
                 raise NoMemory(self.memory)
             ggml_backend.mark_weights(buffer)
             self._buffers.append((device, buffer))
+            log.debug("weights allocated", extra={
+                "device": device.name, "buffer_type": ggml_backend.buffer_type_name(buft),
+                "tensors": len(handles), "bytes": ggml_backend.buffer_size(buffer)})
 
     def get(self, name: str) -> Tensor | None:
         return self.weights.get(name)
@@ -238,6 +261,7 @@ class Backend:
     def reserve(self, graph) -> None:
         """Make room for this graph's compute buffers (fit: only measure); Graph keeps the maximum."""
         assert self.scheduler is not None
+        self.allocated_graph = None
         sizes = self.scheduler.reserve_size(graph)
         for device, size in zip(self.compute_devices, sizes, strict=True):
             report = self._report(device)
@@ -276,10 +300,15 @@ class Backend:
         def load_one(info, data: memoryview) -> None:
             nonlocal done
             view = data[info.offset : info.offset + info.n_bytes]
+            targets = self._load_targets[info.name]
+            for target in targets:
+                if target.name in self._repacked:  # repacking converts the whole tensor at once
+                    ggml.write_bytes(target.handle, view)
             for start in range(0, info.n_bytes, LOAD_CHUNK):
                 chunk = view[start : start + LOAD_CHUNK]
-                for target in self._load_targets[info.name]:
-                    ggml.write_bytes(target.handle, chunk, start)
+                for target in targets:
+                    if target.name not in self._repacked:
+                        ggml.write_bytes(target.handle, chunk, start)
                 with lock:
                     done += len(chunk)
                     if progress is not None:

@@ -43,8 +43,10 @@ class Context:
     """One graph under construction, plus the stored tensors created through it.
 
     Graph inputs keep the arrays they were given and write them at every compute (set_input() replaces
-    one), so a graph built once can be computed again with new inputs. `serial` identifies a context
-    for its whole life (ggml handles of freed contexts get reused); its input()/layer() views share it.
+    one), so a graph built once can be computed again with new inputs; computed again right after
+    itself, it keeps its compute buffers and skips the scheduler's allocation. `serial` identifies a
+    context for its whole life (ggml handles of freed contexts get reused); its input()/layer() views
+    share it, and share `bindings`, where a cache keeps the inputs it created in this context.
     """
 
     def __init__(self, backend: Backend, max_nodes: int):
@@ -55,6 +57,7 @@ class Context:
         self.handle = ggml.new_context(3 * max_nodes, graph_nodes=max_nodes)
         self._layer: int | None = None  # set on the views returned by layer()
         self._inputs: dict[object, np.ndarray] = {}  # graph input handle -> the values to write
+        self.bindings: dict[object, object] = {}  # owner (e.g. a cache) -> the inputs it created here
         self._forward: list[Tensor] = []
         self._graph = None
         self._closed = False
@@ -130,14 +133,29 @@ class Context:
     def arange(self, start: float, stop: float, step: float = 1.0) -> Tensor:
         return self.from_numpy(np.arange(start, stop, step, dtype=np.float32))
 
-    def set_input(self, tensor: Tensor, values: np.ndarray) -> None:
-        """New values for a graph input, written at the next compute (how a built graph is reused)."""
+    def set_input(self, tensor: Tensor | str, values: np.ndarray) -> None:
+        """New values for a graph input (the tensor, or its name), written at the next compute.
+
+        This is how a built graph is reused. The values must have the input's type and size.
+        """
+        if isinstance(tensor, str):
+            named = self.input_named(tensor)
+            if named is None:
+                raise KeyError(f"this context has no graph input named {tensor!r}")
+            tensor = named
         if tensor.handle not in self._inputs:
             raise KeyError(f"{tensor!r} is not a graph input of this context")
         raw = np.ascontiguousarray(values).view(np.uint8).reshape(-1)
         if raw.nbytes != tensor.nbytes:
             raise ShapeError(f"{raw.nbytes} bytes of data for input {tensor!r} of {tensor.nbytes} bytes")
         self._inputs[tensor.handle] = raw
+
+    def input_named(self, name: str) -> Tensor | None:
+        """The graph input given this name with set_name(), or None."""
+        for handle in self._inputs:
+            if ggml.get_name(handle) == name:
+                return Tensor(self, handle)
+        return None
 
     # ------------------------------------------------------------ the graph
 
@@ -164,11 +182,14 @@ class Context:
         for tensor in outputs:
             ggml.mark_output(tensor.handle)
         graph = self._build(outputs)
-        scheduler = self.backend.scheduler
-        with self.backend.compute_lock:
-            scheduler.reset()
-            if not scheduler.alloc_graph(graph):
-                raise NoMemory(self.backend.memory)
+        backend, scheduler = self.backend, self.backend.scheduler
+        with backend.compute_lock:
+            if backend.allocated_graph is not graph:
+                backend.allocated_graph = None
+                scheduler.reset()
+                if not scheduler.alloc_graph(graph):
+                    raise NoMemory(backend.memory)
+                backend.allocated_graph = graph
             for handle, values in self._inputs.items():
                 if ggml.has_storage(handle):  # inputs the graph never uses get no memory
                     ggml.write(handle, values)
@@ -182,6 +203,8 @@ class Context:
 
     def close(self) -> None:
         if not self._closed:
+            if self._graph is not None and self.backend.allocated_graph is self._graph[1]:
+                self.backend.allocated_graph = None
             ggml.free_context(self.handle)
             self._closed = True
 

@@ -1,0 +1,123 @@
+"""Graphs: build a model's forward graph once and reuse it while batches keep the same shape.
+
+A graph's topology depends only on the batch's shape: the cache layout (batch size and the cells it
+attends to, which changes only every `padding` cells) and the number of rows that want logits. Decode
+steps almost always repeat the previous step's shape, so instead of building every node again in
+Python, a reused graph gets the new batch written into its inputs (tokens, positions, output rows, and
+the cache's cell indices and mask), and the scheduler keeps its compute buffers.
+
+Use `graphs.compute(batch)` for one batch at a time. The runner's pipeline splits it in two: `acquire`
+(on the thread that forms batches) places the batch in the cache and returns a graph, built if needed;
+`graph.compute(batch)` and then `release(graph)` run on the compute thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Hashable
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ollama_engine.kvcache import Batch
+from ollama_engine.ml import Context, Tensor
+
+if TYPE_CHECKING:
+    from .base import Model
+
+BATCH_INPUTS = ("tokens", "positions", "outputs")
+"""The graph inputs a reusable model names after the batch arrays they hold."""
+
+
+class Graph:
+    """One built forward graph: its context, its logits tensor (None if no row wants logits)."""
+
+    def __init__(self, model: Model, key: Hashable | None, batch: Batch):
+        self.model = model
+        self.key = key
+        self.ctx: Context = model.backend.new_context()
+        self.users = 0
+        self.retired = False
+        try:
+            if model.cache is not None:
+                model.cache.bind(self.ctx)
+            self.logits: Tensor | None = model.forward(self.ctx, batch)
+        except BaseException:
+            self.ctx.close()
+            raise
+
+    def compute(self, batch: Batch) -> np.ndarray | None:
+        """Run the graph for `batch` (the one it was acquired with): logits (len(outputs), vocab) or None.
+
+        Call it while the cache still holds this batch as its prepared one (before the next acquire):
+        the cache's cell indices and mask are written into the graph here. The logits are a fresh array;
+        the graph's own buffer is overwritten by its next compute.
+        """
+        if self.key is None:  # built for this batch, never reused
+            return self._run(batch)
+        if self.model.cache is not None:
+            self.model.cache.bind(self.ctx)
+        for name in BATCH_INPUTS:
+            values = getattr(batch, name)
+            if values is not None and len(values):
+                self.ctx.set_input(name, values)
+        return self._run(batch)
+
+    def _run(self, batch: Batch) -> np.ndarray | None:
+        if self.logits is None:
+            self.ctx.compute()
+            return None
+        self.ctx.compute(self.logits)
+        return self.logits.numpy().reshape(len(batch.outputs), -1)
+
+
+class Graphs:
+    """The model's most recent forward graph, reused for the next batch of the same shape."""
+
+    def __init__(self, model: Model):
+        self.model = model
+        self._current: Graph | None = None
+        self._lock = threading.Lock()
+
+    def acquire(self, batch: Batch) -> Graph:
+        """Place the batch in the model's cache and return the graph to compute it with."""
+        model = self.model
+        layout = model.cache.prepare(batch) if model.cache is not None else None
+        key = (layout, len(batch.outputs)) if model.reuse_graphs and layout is not None else None
+        with self._lock:
+            current = self._current
+            if key is not None and current is not None and current.key == key:
+                current.users += 1
+                return current
+        graph = Graph(model, key, batch)
+        with self._lock:
+            if self._current is not None:
+                self._retire(self._current)
+            self._current = graph
+            graph.users += 1
+        return graph
+
+    def release(self, graph: Graph) -> None:
+        with self._lock:
+            graph.users -= 1
+            if graph.retired and graph.users == 0:
+                graph.ctx.close()
+
+    def compute(self, batch: Batch) -> np.ndarray | None:
+        """One batch through the model: logits (len(batch.outputs), vocab), or None if it asks for none."""
+        graph = self.acquire(batch)
+        try:
+            return graph.compute(batch)
+        finally:
+            self.release(graph)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._current is not None:
+                self._retire(self._current)
+                self._current = None
+
+    def _retire(self, graph: Graph) -> None:
+        graph.retired = True
+        if graph.users == 0:
+            graph.ctx.close()
