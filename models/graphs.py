@@ -6,9 +6,9 @@ steps almost always repeat the previous step's shape, so instead of building eve
 Python, a reused graph gets the new batch written into its inputs (tokens, positions, output rows, and
 the cache's cell indices and mask), and the scheduler keeps its compute buffers.
 
-Use `graphs.compute(batch)` for one batch at a time. The runner's pipeline splits it in two: `acquire`
-(on the thread that forms batches) places the batch in the cache and returns a graph, built if needed;
-`graph.compute(batch)` and then `release(graph)` run on the compute thread.
+Use `graphs.compute(batch)` for one batch at a time. The runner's pipeline splits it up: `acquire` (on
+the thread that forms batches) places the batch in the cache and returns a graph, built if needed;
+`graph.bind(batch)`, `graph.run()` and `release(graph)` follow on the compute thread.
 """
 
 from __future__ import annotations
@@ -46,29 +46,31 @@ class Graph:
             self.ctx.close()
             raise
 
-    def compute(self, batch: Batch) -> np.ndarray | None:
-        """Run the graph for `batch` (the one it was acquired with): logits (len(outputs), vocab) or None.
+    def bind(self, batch: Batch) -> None:
+        """Write `batch` (the one the graph was acquired with) into the graph's inputs.
 
         Call it while the cache still holds this batch as its prepared one (before the next acquire):
-        the cache's cell indices and mask are written into the graph here. The logits are a fresh array;
-        the graph's own buffer is overwritten by its next compute.
+        the cache's cell indices and mask are copied here.
         """
         if self.key is None:  # built for this batch, never reused
-            return self._run(batch)
+            return
         if self.model.cache is not None:
             self.model.cache.bind(self.ctx)
         for name in BATCH_INPUTS:
             values = getattr(batch, name)
             if values is not None and len(values):
                 self.ctx.set_input(name, values)
-        return self._run(batch)
 
-    def _run(self, batch: Batch) -> np.ndarray | None:
+    def run(self) -> np.ndarray | None:
+        """Compute the bound batch: its logits (outputs, vocab), or None if no row wants logits.
+
+        The logits are a fresh array; the graph's own buffer is overwritten by its next run.
+        """
         if self.logits is None:
             self.ctx.compute()
             return None
         self.ctx.compute(self.logits)
-        return self.logits.numpy().reshape(len(batch.outputs), -1)
+        return self.logits.numpy().reshape(self.logits.ne[1], -1)
 
 
 class Graphs:
@@ -107,7 +109,8 @@ class Graphs:
         """One batch through the model: logits (len(batch.outputs), vocab), or None if it asks for none."""
         graph = self.acquire(batch)
         try:
-            return graph.compute(batch)
+            graph.bind(batch)
+            return graph.run()
         finally:
             self.release(graph)
 

@@ -5,7 +5,8 @@ while the compute thread computes batch N (ggml releases the GIL). Batch N+1 may
 input for the token each sequence is about to sample from batch N: the placeholder is filled by the
 sampler, and batch N+1 reads its token ids only when its own compute starts, after batch N is done
 (one compute thread runs batches in order). The builder waits until batch N has started computing, so
-the sequences have moved their inputs into the slots before the next batch is formed.
+the sequences have moved their inputs into the slots, and batch N's cache cells and mask are in its
+graph, before the next batch is formed. Batches of the same shape share one graph (models.Graphs).
 
 Batch formation: one token budget (batch_size) shared by all sequences, visited round-robin from the
 sequence that last missed out; a same-batch group is never split (it may stretch the budget); a prompt
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ollama_engine.kvcache import Batch
-from ollama_engine.ml import Context, Tensor
+from ollama_engine.models import Graph
 from ollama_engine.runner.allocate import LoadedModel
 from ollama_engine.runner.cache import ReprocessInputsError
 from ollama_engine.runner.inputs import Input
@@ -43,8 +44,7 @@ class BatchState:
     """The sequences as they were when the batch was formed; results for any since replaced are dropped."""
     inputs: list[Input] = field(default_factory=list)
     batch: Batch | None = None
-    ctx: Context | None = None
-    logits: Tensor | None = None
+    graph: Graph | None = None
     compute_started: threading.Event = field(default_factory=threading.Event)
 
 
@@ -204,20 +204,17 @@ class Runner:
                 return state
             tokens = np.zeros(len(state.inputs), dtype=np.int32)  # filled in when the batch computes
             state.batch = Batch(positions=positions, sequences=sequences, outputs=outputs, tokens=tokens)
-            state.ctx = self.model.backend.new_context()
-            if self.model.cache is not None:
-                self.model.cache.start_forward(state.ctx, state.batch)
-            state.logits = self.model.forward(state.ctx, state.batch)
+            state.graph = self.model.graphs.acquire(state.batch)
             return state
 
     def _compute_batch(self, state: BatchState) -> None:
-        if state.ctx is None:
+        if state.graph is None:
             return
         try:
             placeholders = self._advance(state)
+            state.graph.bind(state.batch)
             state.compute_started.set()
-            state.ctx.compute(*([state.logits] if state.logits is not None else []))
-            logits = state.logits.numpy().reshape(len(state.batch.outputs), -1) if state.logits is not None else None
+            logits = state.graph.run()
             now = time.monotonic()
             with self.cond:
                 for index, (placeholder, row) in placeholders.items():
@@ -231,7 +228,7 @@ class Runner:
                         seq.sampling_duration += sampling
         finally:
             state.compute_started.set()
-            state.ctx.close()
+            self.model.graphs.release(state.graph)
 
     def _advance(self, state: BatchState) -> dict[int, tuple[Input, int]]:
         """Fill in the batch's token ids, record its inputs in the slots, queue a placeholder per sampler.
