@@ -28,13 +28,18 @@ def load_model(
     allocate: bool = True,
     num_threads: int | None = None,
     flash_attention: bool = False,
+    repack_weights: bool = True,
 ) -> Model:
-    """The model in the GGUF file at `path`, on the devices `gpu_layers` chooses (default: the CPU)."""
+    """The model in the GGUF file at `path`, on the devices `gpu_layers` chooses (default: the CPU).
+
+    repack_weights=False keeps ggml's plain weight layout on the CPU (see Backend).
+    """
     file = GGUFFile.open(path)
     factory = model_class(file.config)
     tokenizer = from_metadata(file.metadata)
     backend = Backend(
-        file, gpu_layers, allocate=allocate, num_threads=num_threads, flash_attention=flash_attention
+        file, gpu_layers, allocate=allocate, num_threads=num_threads, flash_attention=flash_attention,
+        repack_weights=repack_weights,
     )
     try:
         return factory(backend, tokenizer)

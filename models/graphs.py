@@ -64,13 +64,14 @@ class Graph:
     def run(self) -> np.ndarray | None:
         """Compute the bound batch: its logits (outputs, vocab), or None if no row wants logits.
 
-        The logits are a fresh array; the graph's own buffer is overwritten by its next run.
+        The logits are a view of the graph's output where that is in host memory: read them (or copy
+        what you keep) before the graph's next run.
         """
         if self.logits is None:
             self.ctx.compute()
             return None
         self.ctx.compute(self.logits)
-        return self.logits.numpy().reshape(self.logits.ne[1], -1)
+        return self.logits.numpy(copy=False).reshape(self.logits.ne[1], -1)
 
 
 class Graphs:
@@ -106,11 +107,15 @@ class Graphs:
                 graph.ctx.close()
 
     def compute(self, batch: Batch) -> np.ndarray | None:
-        """One batch through the model: logits (len(batch.outputs), vocab), or None if it asks for none."""
+        """One batch through the model: logits (len(batch.outputs), vocab), or None if it asks for none.
+
+        The logits are the caller's to keep (a copy).
+        """
         graph = self.acquire(batch)
         try:
             graph.bind(batch)
-            return graph.run()
+            logits = graph.run()
+            return None if logits is None else logits.copy()
         finally:
             self.release(graph)
 

@@ -201,6 +201,20 @@ def read(t) -> np.ndarray:
     return out
 
 
+def host_view(t) -> np.ndarray | None:
+    """The tensor's memory as a numpy array without copying, if it is contiguous host memory, else None.
+
+    The view is only valid while the memory is: a graph output is overwritten by the graph's next run.
+    """
+    source = t.view_src if t.view_src != NULL else t
+    ggml_type = GGMLType(t.type)
+    if (not has_storage(t) or not is_contiguous(t) or ggml_type not in NUMPY_TYPES
+            or not lib.ggml_backend_buffer_is_host(source.buffer)):
+        return None
+    memory = ffi.buffer(ffi.cast("char *", t.data), nbytes(t))
+    return np.frombuffer(memory, dtype=NUMPY_TYPES[ggml_type]).reshape(tuple(reversed(shape(t))))
+
+
 # ---------------------------------------------------------------- quantization
 
 

@@ -93,6 +93,7 @@ class Backend:
         self.scheduler: ggml_backend.Scheduler | None = None
         self.compute_lock = threading.Lock()
         self.allocated_graph = None  # the graph the scheduler's compute buffers are laid out for
+        self.compute_seconds = 0.0  # time spent inside ggml's graph compute, for profiling
         try:
             self._create_weights()
             self._create_scheduler(num_threads or default_threads())
@@ -239,6 +240,10 @@ class Backend:
             log.debug("weights allocated", extra={
                 "device": device.name, "buffer_type": ggml_backend.buffer_type_name(buft),
                 "tensors": len(handles), "bytes": ggml_backend.buffer_size(buffer)})
+
+    def repacked_weights(self) -> set[str]:
+        """The weights stored in a repacked layout (written whole at load; their bytes are not the file's)."""
+        return set(self._repacked)
 
     def get(self, name: str) -> Tensor | None:
         return self.weights.get(name)

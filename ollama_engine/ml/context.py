@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -57,6 +58,7 @@ class Context:
         self.handle = ggml.new_context(3 * max_nodes, graph_nodes=max_nodes)
         self._layer: int | None = None  # set on the views returned by layer()
         self._inputs: dict[object, np.ndarray] = {}  # graph input handle -> the values to write
+        self._named: dict[str, Tensor] = {}  # input_named()'s index
         self.bindings: dict[object, object] = {}  # owner (e.g. a cache) -> the inputs it created here
         self._forward: list[Tensor] = []
         self._graph = None
@@ -152,10 +154,9 @@ class Context:
 
     def input_named(self, name: str) -> Tensor | None:
         """The graph input given this name with set_name(), or None."""
-        for handle in self._inputs:
-            if ggml.get_name(handle) == name:
-                return Tensor(self, handle)
-        return None
+        if name not in self._named or self._named[name].handle not in self._inputs:
+            self._named = {ggml.get_name(handle): Tensor(self, handle) for handle in self._inputs}
+        return self._named.get(name)
 
     # ------------------------------------------------------------ the graph
 
@@ -193,7 +194,9 @@ class Context:
             for handle, values in self._inputs.items():
                 if ggml.has_storage(handle):  # inputs the graph never uses get no memory
                     ggml.write(handle, values)
+            started = time.perf_counter()
             scheduler.compute(graph)
+            backend.compute_seconds += time.perf_counter() - started
 
     def reserve(self, *outputs: Tensor) -> None:
         """Size the compute buffers this graph needs (and allocate them unless fitting)."""

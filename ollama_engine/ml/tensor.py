@@ -98,11 +98,16 @@ class Tensor:
 
     # ------------------------------------------------------------ data
 
-    def numpy(self) -> np.ndarray:
-        """The computed or stored values; numpy's shape is the ggml shape reversed."""
+    def numpy(self, copy: bool = True) -> np.ndarray:
+        """The computed or stored values; numpy's shape is the ggml shape reversed.
+
+        copy=False returns a view of the tensor's memory when it is in host memory (else a copy): valid
+        only until that memory is written again, e.g. by the graph's next compute.
+        """
         if not ggml.has_storage(self.handle):
             raise RuntimeError(f"{self!r} has no memory: compute its graph (or load the model) first")
-        return ggml.read(self.handle)
+        view = None if copy else ggml.host_view(self.handle)
+        return view if view is not None else ggml.read(self.handle)
 
     def set(self, values: np.ndarray) -> None:
         """Write values into a tensor that has memory (a weight, a cache tensor, a computed input)."""

@@ -1,0 +1,171 @@
+"""Graph reuse (models.Graphs), weight repacking and zero-copy outputs: the speed levers must not change
+a single logit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ollama_engine.fs.synthetic import write_synthetic
+from ollama_engine.kvcache import Batch
+from ollama_engine.ml import Backend, DType
+from ollama_engine.models import load_model
+
+THREADS = 1
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_synthetic(tmp_path_factory.mktemp("graphs") / "tiny.gguf", "llama", weight_type="F32")
+
+
+def open_model(path: Path, sequences: int = 1, capacity: int = 512):
+    model = load_model(path, num_threads=THREADS)
+    model.backend.load()
+    model.cache.init(model.backend, DType.F16, sequences, capacity, 64)
+    return model
+
+
+def decode(model, steps: int, start_token: int = 5) -> tuple[list[np.ndarray], int]:
+    """Greedy decode from position 0, one token per step; the logits of every step and graphs built."""
+    built, last = 0, None
+    token, rows = start_token, []
+    for position in range(steps):
+        batch = Batch(positions=[position], sequences=[0], outputs=[0], tokens=[token])
+        graph = model.graphs.acquire(batch)
+        built += graph is not last
+        last = graph
+        try:
+            graph.bind(batch)
+            logits = graph.run()[0].copy()
+        finally:
+            model.graphs.release(graph)
+        rows.append(logits)
+        token = int(np.argmax(logits))
+    return rows, built
+
+
+def test_reused_graphs_give_the_logits_of_fresh_ones(tiny):
+    steps = 300  # crosses the cache's 256-cell padding: the history grows and a new graph is built
+    reused = open_model(tiny)
+    fresh = open_model(tiny)
+    fresh.reuse_graphs = False
+    try:
+        ours, built = decode(reused, steps)
+        expected, built_fresh = decode(fresh, steps)
+    finally:
+        reused.close()
+        fresh.close()
+    assert built_fresh == steps
+    assert built == 2  # one graph for histories of 256 cells, one for 512
+    for step, (a, b) in enumerate(zip(ours, expected, strict=True)):
+        np.testing.assert_array_equal(a, b, err_msg=f"step {step}")
+
+
+def test_a_reused_graph_keeps_its_compute_buffers(tiny):
+    model = open_model(tiny)
+    try:
+        batch = Batch(positions=[0], sequences=[0], outputs=[0], tokens=[3])
+        model.graphs.compute(batch)
+        graph = model.graphs.acquire(Batch(positions=[1], sequences=[0], outputs=[0], tokens=[4]))
+        allocated = model.backend.allocated_graph
+        assert allocated is graph.ctx._build((graph.logits,))
+        graph.bind(Batch(positions=[1], sequences=[0], outputs=[0], tokens=[4]))
+        graph.run()
+        assert model.backend.allocated_graph is allocated  # not reset and allocated again
+        model.graphs.release(graph)
+    finally:
+        model.close()
+
+
+def test_a_different_shape_builds_a_new_graph_and_retires_the_old_one_when_released(tiny):
+    model = open_model(tiny)
+    try:
+        first_batch = Batch(positions=[0, 1, 2], sequences=[0] * 3, outputs=[2], tokens=[1, 2, 3])
+        first = model.graphs.acquire(first_batch)
+        first.bind(first_batch)
+        # the next batch is formed while the first is still in flight (the runner's pipeline)
+        second = model.graphs.acquire(Batch(positions=[3], sequences=[0], outputs=[0], tokens=[4]))
+        assert second is not first
+        assert not first.ctx._closed  # still in use
+        first.run()
+        model.graphs.release(first)
+        assert first.ctx._closed
+        second.bind(Batch(positions=[3], sequences=[0], outputs=[0], tokens=[4]))
+        second.run()
+        model.graphs.release(second)
+        assert not second.ctx._closed  # current: kept for the next batch of its shape
+    finally:
+        model.close()
+    assert second.ctx._closed
+
+
+def test_batches_of_several_sequences_reuse_a_graph_with_their_own_masks(tiny):
+    """Two sequences decoding together, reusing one graph, match each decoding alone."""
+    together = open_model(tiny, sequences=2)
+    alone = open_model(tiny, sequences=1)
+    try:
+        prompts = ([7, 8, 9], [10, 11, 12])
+        for seq, prompt in enumerate(prompts):
+            together.graphs.compute(Batch(positions=range(3), sequences=[seq] * 3, outputs=[], tokens=prompt))
+        tokens, joint = [9, 12], []
+        for position in range(3, 8):
+            logits = together.graphs.compute(
+                Batch(positions=[position, position], sequences=[0, 1], outputs=[0, 1], tokens=tokens))
+            joint.append(logits)
+            tokens = [int(np.argmax(row)) for row in logits]
+        for seq, prompt in enumerate(prompts):
+            alone.cache.remove(0, 0)
+            alone.graphs.compute(Batch(positions=range(3), sequences=[0] * 3, outputs=[], tokens=prompt))
+            token = prompt[-1]
+            for step, position in enumerate(range(3, 8)):
+                logits = alone.graphs.compute(Batch(positions=[position], sequences=[0], outputs=[0], tokens=[token]))
+                # a batch of two rows may take another matmul kernel: rounding, not a wrong mask (~1e-4)
+                np.testing.assert_allclose(logits[0], joint[step][seq], atol=1e-3)
+                token = int(np.argmax(logits[0]))
+    finally:
+        together.close()
+        alone.close()
+
+
+def test_set_input_by_name_and_host_views():
+    with Backend(None) as backend, backend.new_context() as ctx:
+        values = ctx.input().from_numpy(np.arange(4, dtype=np.float32)).set_name("values")
+        doubled = values.scale(2.0)
+        ctx.compute(doubled)
+        view = doubled.numpy(copy=False)
+        np.testing.assert_array_equal(view, [0, 2, 4, 6])
+        ctx.set_input("values", np.full(4, 5, dtype=np.float32))
+        ctx.compute(doubled)
+        np.testing.assert_array_equal(view, [10, 10, 10, 10])  # a view: the next compute shows through
+        with pytest.raises(KeyError, match="no graph input named"):
+            ctx.set_input("missing", np.zeros(4, dtype=np.float32))
+        with pytest.raises(ValueError, match="bytes of data"):
+            ctx.set_input("values", np.zeros(3, dtype=np.float32))
+
+
+def test_q4_0_weights_are_repacked_for_the_cpu_and_match_the_plain_layout(tmp_path):
+    path = write_synthetic(tmp_path / "q4.gguf", "llama", weight_type="Q4_0", n_embd=256, n_ff=512, n_head=4,
+                           n_head_kv=4)
+    tokens = list(range(3, 40))
+    batch = Batch(positions=range(len(tokens)), sequences=[0] * len(tokens), outputs=range(len(tokens)),
+                  tokens=tokens)
+    results = {}
+    for repack in (True, False):
+        model = load_model(path, num_threads=THREADS, repack_weights=repack)
+        try:
+            repacked = model.backend.repacked_weights()
+            model.backend.load()
+            model.cache.init(model.backend, DType.F16, 1, 256, 64)
+            results[repack] = (repacked, model.graphs.compute(batch))
+        finally:
+            model.close()
+    repacked, logits = results[True]
+    assert "blk.0.attn_q.weight" in repacked and "output.weight" in repacked
+    assert "token_embd.weight" not in repacked  # read by rows, not multiplied
+    assert results[False][0] == set()
+    # different kernels round differently (llama.cpp's repacked rows move the same way)
+    np.testing.assert_allclose(logits, results[False][1], atol=0.1)
+    assert (np.argmax(logits, axis=1) == np.argmax(results[False][1], axis=1)).mean() > 0.9
