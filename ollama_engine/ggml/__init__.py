@@ -11,6 +11,7 @@ numpy array of it has shape (ne1, ne0).
 from __future__ import annotations
 
 import enum
+import logging
 
 import numpy as np
 
@@ -23,6 +24,25 @@ except ImportError as err:  # pragma: no cover - exercised only on a machine wit
 
 NULL = ffi.NULL
 MAX_DIMS = 4
+
+# ---------------------------------------------------------------- logging
+
+_log = logging.getLogger("ggml")
+_LEVELS = {lib.GGML_LOG_LEVEL_DEBUG: logging.DEBUG, lib.GGML_LOG_LEVEL_INFO: logging.DEBUG,
+           lib.GGML_LOG_LEVEL_WARN: logging.WARNING, lib.GGML_LOG_LEVEL_ERROR: logging.ERROR}
+_last_level = [logging.DEBUG]  # GGML_LOG_LEVEL_CONT continues the previous message's level
+
+
+@ffi.callback("ggml_log_callback")
+def _on_log(level: int, text, user_data) -> None:
+    """ggml's messages go to the `ggml` logger (its info is our debug: per-tensor repacking, buffers)."""
+    if level != lib.GGML_LOG_LEVEL_CONT:
+        _last_level[0] = _LEVELS.get(level, logging.DEBUG)
+    if _log.isEnabledFor(_last_level[0]):
+        _log.log(_last_level[0], ffi.string(text).decode("utf-8", errors="replace").rstrip())
+
+
+lib.ggml_log_set(_on_log, NULL)
 
 
 class GGMLType(enum.IntEnum):

@@ -24,7 +24,7 @@ class Tokenizer:
         self._segmenter = segmenter
         self.add_bos = vocab.add_bos if vocab.add_bos is not None else segmenter.add_bos_default
         self.add_eos = vocab.add_eos
-        self._pieces = [vocab.piece(i) for i in range(len(vocab))]
+        self._pieces: dict[int, bytes] = {}  # filled as tokens are first decoded (a vocabulary may be 256k)
 
     @property
     def vocab_size(self) -> int:
@@ -44,9 +44,10 @@ class Tokenizer:
 
     def token_piece(self, token_id: int) -> bytes:
         """Raw bytes of one token (special tokens as their text); may be part of a UTF-8 character."""
-        if not 0 <= token_id < len(self._pieces):
-            raise IndexError(f"token id {token_id} out of range for a vocabulary of {len(self._pieces)}")
-        return self._pieces[token_id]
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            piece = self._pieces[token_id] = self.vocab.piece(token_id)  # raises IndexError out of range
+        return piece
 
     def encode(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
         """Text to ids. add_special adds BOS/EOS (BERT: CLS/SEP); parse_special matches control tokens."""
