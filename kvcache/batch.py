@@ -35,9 +35,10 @@ class Batch:
         outputs = _int_vector("outputs", self.outputs)
         if len(positions) != len(sequences):
             raise ValueError(f"batch has {len(positions)} positions but {len(sequences)} sequences")
-        if np.any(positions < 0) or np.any(sequences < 0):
+        # min()/max() rather than elementwise tests: a batch is made for every decoded token
+        if len(positions) and min(positions.min(), sequences.min()) < 0:
             raise ValueError("batch positions and sequences must be non-negative")
-        if np.any((outputs < 0) | (outputs >= len(positions))):
+        if len(outputs) and (outputs.min() < 0 or outputs.max() >= len(positions)):
             raise ValueError(f"batch outputs {outputs.tolist()} outside 0..{len(positions) - 1}")
         object.__setattr__(self, "positions", positions)
         object.__setattr__(self, "sequences", sequences)

@@ -327,7 +327,7 @@ class Causal:
                 low = min(low, int(cells.argmax()))
                 high = max(high, len(cells) - int(cells[::-1].argmax()))
 
-        batch_sequences = np.unique(batch.sequences)
+        batch_sequences = dict.fromkeys(batch.sequences.tolist())  # unique, cheaper than np.unique when small
         if self._memory is None:
             for seq in batch_sequences:
                 include(self._member[seq])

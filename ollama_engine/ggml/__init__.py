@@ -205,7 +205,8 @@ def write(t, array: np.ndarray, offset: int = 0) -> None:
 
 def write_bytes(t, data, offset: int = 0) -> None:
     """Like write() for any buffer-protocol object (bytes, memoryview, mmap slices)."""
-    lib.ggml_backend_tensor_set(t, ffi.from_buffer(data), offset, len(data))
+    buffer = ffi.from_buffer(data)
+    lib.ggml_backend_tensor_set(t, buffer, offset, len(buffer))
 
 
 def read(t) -> np.ndarray:
@@ -227,12 +228,12 @@ def host_view(t) -> np.ndarray | None:
     The view is only valid while the memory is: a graph output is overwritten by the graph's next run.
     """
     source = t.view_src if t.view_src != NULL else t
-    ggml_type = GGMLType(t.type)
-    if (not has_storage(t) or not is_contiguous(t) or ggml_type not in NUMPY_TYPES
+    dtype = NUMPY_TYPES.get(t.type)  # per decoded token: no enum conversion
+    if (dtype is None or not has_storage(t) or not is_contiguous(t)
             or not lib.ggml_backend_buffer_is_host(source.buffer)):
         return None
     memory = ffi.buffer(ffi.cast("char *", t.data), nbytes(t))
-    return np.frombuffer(memory, dtype=NUMPY_TYPES[ggml_type]).reshape(tuple(reversed(shape(t))))
+    return np.frombuffer(memory, dtype=dtype).reshape(tuple(reversed(shape(t))))
 
 
 # ---------------------------------------------------------------- quantization

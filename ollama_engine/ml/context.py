@@ -59,6 +59,7 @@ class Context:
         self._layer: int | None = None  # set on the views returned by layer()
         self._inputs: dict[object, np.ndarray] = {}  # graph input handle -> the values to write
         self._named: dict[str, Tensor] = {}  # input_named()'s index
+        self._stored: list = []  # the inputs that have memory in the allocated graph
         self.bindings: dict[object, object] = {}  # owner (e.g. a cache) -> the inputs it created here
         self._forward: list[Tensor] = []
         self._graph = None
@@ -116,7 +117,10 @@ class Context:
 
     def from_bytes(self, dtype: DType, data: np.ndarray | bytes, *shape: int) -> Tensor:
         """A tensor of any type (quantized ones included) from its raw bytes."""
-        raw = np.frombuffer(data, dtype=np.uint8) if isinstance(data, bytes) else np.asarray(data).view(np.uint8)
+        if isinstance(data, bytes):
+            raw = np.frombuffer(data, dtype=np.uint8)
+        else:
+            raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
         tensor = self._create(dtype, shape)
         if raw.nbytes != tensor.nbytes:
             raise ShapeError(f"{raw.nbytes} bytes of data for a {dtype.name} tensor of {tensor.nbytes} bytes")
@@ -167,9 +171,11 @@ class Context:
 
     def _build(self, outputs: tuple[Tensor, ...]):
         """The graph of everything forwarded plus outputs; built once, then reused while that set is unchanged."""
-        key = tuple(t.handle for t in (*self._forward, *outputs))
+        key = (len(self._forward), *(t.handle for t in outputs))  # forward() only appends
         if self._graph is not None and self._graph[0] == key:
             return self._graph[1]
+        for tensor in outputs:
+            ggml.mark_output(tensor.handle)
         graph = ggml_backend.new_graph(self.handle, self.max_nodes)
         for tensor in (*self._forward, *outputs):
             if ggml_backend.graph_n_nodes(graph) >= self.max_nodes:
@@ -180,8 +186,6 @@ class Context:
 
     def compute(self, *outputs: Tensor) -> None:
         """Run the graph; afterwards `outputs` (and forwarded tensors) can be read with numpy()."""
-        for tensor in outputs:
-            ggml.mark_output(tensor.handle)
         graph = self._build(outputs)
         backend, scheduler = self.backend, self.backend.scheduler
         with backend.compute_lock:
@@ -191,9 +195,10 @@ class Context:
                 if not scheduler.alloc_graph(graph):
                     raise NoMemory(backend.memory)
                 backend.allocated_graph = graph
-            for handle, values in self._inputs.items():
-                if ggml.has_storage(handle):  # inputs the graph never uses get no memory
-                    ggml.write(handle, values)
+                # inputs the graph never uses get no memory
+                self._stored = [handle for handle in self._inputs if ggml.has_storage(handle)]
+            for handle in self._stored:
+                ggml.write_bytes(handle, self._inputs[handle])  # sizes were checked when the values were given
             started = time.perf_counter()
             scheduler.compute(graph)
             backend.compute_seconds += time.perf_counter() - started
