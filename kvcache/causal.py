@@ -37,6 +37,10 @@ Layout = tuple[int, int, int]
 """(batch size, first history cell, history length): what a graph built for a batch depends on."""
 
 
+_ZERO = {t: t(0) for t in (np.float16, np.float32)}
+_MINUS_INF = {t: t(-np.inf) for t in (np.float16, np.float32)}
+
+
 @dataclass(frozen=True)
 class _Bound:
     """The inputs bind() created in one context: the arrays it writes at every compute, and their tensors."""
@@ -159,8 +163,7 @@ class Causal:
             low, high = self._history_range(batch)
             locs = self._find_locs(n)
             self._pos[locs] = batch.positions
-            self._member[:, locs] = False
-            self._member[batch.sequences, locs] = True
+            self._member[batch.sequences, locs] = True  # the cells were free: no other sequence uses them
             padding = self.config.padding
             start = min(low, int(locs[0])) // padding * padding
             stop = math.ceil(max(high, int(locs[-1]) + 1) / padding) * padding
@@ -346,10 +349,17 @@ class Causal:
         return low, high
 
     def _find_locs(self, n: int) -> np.ndarray:
-        free = np.flatnonzero(~self._member.any(axis=0))
-        if free.size < n:
-            raise CacheFullError(f"could not find a kv cache slot (cache: {self._cells} batch: {n})")
-        return free[:n].astype(np.int32)
+        """The first n free cells."""
+        used = self._member.any(axis=0) if len(self._member) > 1 else self._member[0]
+        if n == 1:  # every decode step: one pass over the cells, not three
+            cell = int(used.argmin())
+            if not used[cell]:
+                return np.array([cell], dtype=np.int32)
+        else:
+            free = np.flatnonzero(~used)
+            if free.size >= n:
+                return free[:n].astype(np.int32)
+        raise CacheFullError(f"could not find a kv cache slot (cache: {self._cells} batch: {n})")
 
     def _build_mask(self) -> np.ndarray:
         """(batch, history) of 0 where a token may attend to a cell and -inf where not."""
@@ -357,17 +367,16 @@ class Causal:
         batch = self._batch
         if self._reserve:
             return np.zeros((len(batch), self._stop - self._start), dtype=dtype)  # only sized, never read
-        cell_pos = self._pos[self._start : self._stop][None, :]
+        cell_pos = self._pos[self._start : self._stop]
         visible = self._member[batch.sequences, self._start : self._stop]
-        positions = batch.positions.astype(np.int64)[:, None]
-        visible &= (cell_pos <= positions) | self._except[:, None]
+        positions = batch.positions[:, None]
+        causal = cell_pos <= positions
+        visible &= causal | self._except[:, None] if self._except.any() else causal
         if self._chunk is not None:
             visible &= cell_pos >= positions - positions % self._chunk
         if self._window is not None:
             visible &= cell_pos >= positions - self._window
-        mask = np.full(visible.shape, -np.inf, dtype=dtype)
-        mask[visible] = 0
-        return mask
+        return np.where(visible, _ZERO[dtype], _MINUS_INF[dtype])
 
     def _layer_tensors(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
         """The layer's stored key and value, allocated (on the layer's device) at its first put()."""

@@ -38,6 +38,7 @@ class Graph:
         self.ctx: Context = model.backend.new_context()
         self.users = 0
         self.retired = False
+        self._view: tuple[int, np.ndarray] | None = None  # (ctx.allocations, logits) while they stay put
         try:
             if model.cache is not None:
                 model.cache.bind(self.ctx)
@@ -71,7 +72,12 @@ class Graph:
             self.ctx.compute()
             return None
         self.ctx.compute(self.logits)
-        return self.logits.numpy(copy=False).reshape(self.logits.ne[1], -1)
+        if self._view is not None and self._view[0] == self.ctx.allocations:
+            return self._view[1]  # a view of host memory that has not moved
+        logits = self.logits.numpy(copy=False)
+        rows = logits.reshape(self.logits.ne[1], -1)
+        self._view = None if logits.flags.owndata else (self.ctx.allocations, rows)  # owned: a copy from a GPU
+        return rows
 
 
 class Graphs:

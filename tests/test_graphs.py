@@ -169,3 +169,17 @@ def test_q4_0_weights_are_repacked_for_the_cpu_and_match_the_plain_layout(tmp_pa
     # different kernels round differently (llama.cpp's repacked rows move the same way)
     np.testing.assert_allclose(logits, results[False][1], atol=0.1)
     assert (np.argmax(logits, axis=1) == np.argmax(results[False][1], axis=1)).mean() > 0.9
+
+
+def test_host_weight_buffers_are_advised_onto_huge_pages():
+    from ollama_engine.ggml import backend as ggml_backend
+    from ollama_engine.ml.device import cpu_device
+
+    setting = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not setting.exists() or "[never]" in setting.read_text():
+        pytest.skip("no transparent huge pages on this machine")
+    buffer = ggml_backend.alloc_buffer(cpu_device().buffer_type, 8 << 20)
+    try:
+        assert ggml_backend.advise_huge_pages(buffer)
+    finally:
+        ggml_backend.free_buffer(buffer)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import sys
 from dataclasses import dataclass
 
 from . import NULL, ffi, lib
@@ -155,6 +158,32 @@ def place_tensor(buffer, tensor, offset: int = 0) -> None:
     status = lib.ggml_backend_tensor_alloc(buffer, tensor, base + offset)
     if status != lib.GGML_STATUS_SUCCESS:
         raise RuntimeError(f"ggml_backend_tensor_alloc failed with status {status}")
+
+
+HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE = 14  # Linux
+
+
+def advise_huge_pages(buffer) -> bool:
+    """Ask Linux to back a host buffer with 2 MiB pages (before it is first written).
+
+    Weights are streamed through once per token; with 4 KiB pages that costs a TLB miss every 4 KiB,
+    and decoding measured about 10% faster on huge pages. A no-op (False) off Linux, for device memory,
+    or where transparent huge pages are disabled.
+    """
+    if not sys.platform.startswith("linux") or not lib.ggml_backend_buffer_is_host(buffer):
+        return False
+    base = int(ffi.cast("uintptr_t", lib.ggml_backend_buffer_get_base(buffer)))
+    start = -(-base // HUGE_PAGE) * HUGE_PAGE
+    stop = (base + lib.ggml_backend_buffer_get_size(buffer)) // HUGE_PAGE * HUGE_PAGE
+    if stop <= start:
+        return False
+    return _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(stop - start), MADV_HUGEPAGE) == 0
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def mark_weights(buffer) -> None:

@@ -236,6 +236,7 @@ class Backend:
             if buffer is None:
                 raise NoMemory(self.memory)
             ggml_backend.mark_weights(buffer)
+            ggml_backend.advise_huge_pages(buffer)
             self._buffers.append((device, buffer))
             log.debug("weights allocated", extra={
                 "device": device.name, "buffer_type": ggml_backend.buffer_type_name(buft),

@@ -60,6 +60,7 @@ class Context:
         self._inputs: dict[object, np.ndarray] = {}  # graph input handle -> the values to write
         self._named: dict[str, Tensor] = {}  # input_named()'s index
         self._stored: list = []  # the inputs that have memory in the allocated graph
+        self.allocations = 0  # times the scheduler laid out this graph's memory: views of outputs change
         self.bindings: dict[object, object] = {}  # owner (e.g. a cache) -> the inputs it created here
         self._forward: list[Tensor] = []
         self._graph = None
@@ -195,6 +196,7 @@ class Context:
                 if not scheduler.alloc_graph(graph):
                     raise NoMemory(backend.memory)
                 backend.allocated_graph = graph
+                self.allocations += 1
                 # inputs the graph never uses get no memory
                 self._stored = [handle for handle in self._inputs if ggml.has_storage(handle)]
             for handle in self._stored:
