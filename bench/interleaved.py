@@ -32,6 +32,9 @@ from workers import BATCH, N_CTX, LlamaCpp, WorkerArgs  # noqa: E402
 from bench import ensure_model, log  # noqa: E402
 
 N_PP, N_TG = 512, 128
+# Both engines end up on one libggml in this process (the same SONAME, built from the same source), so
+# llama.cpp's log callback is ggml's: the objects that hold it must outlive every later ggml call.
+_KEEP_ALIVE: list[LlamaCpp] = []
 
 
 class Ours:
@@ -98,6 +101,7 @@ def measure(name: str, threads: int, rounds: int) -> dict:
             f"{times['llama.cpp']['tg'][-1] / times['ours']['tg'][-1]:.3f}")
     ours.model.close()
     theirs.close()
+    _KEEP_ALIVE.append(theirs)
     result = {"model": name, "rounds": rounds, "python_share": statistics.median(python_share)}
     for kind, n in (("pp", N_PP), ("tg", N_TG)):
         ratios = sorted(t / o for o, t in zip(times["ours"][kind], times["llama.cpp"][kind], strict=True))
