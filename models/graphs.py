@@ -65,8 +65,8 @@ class Graph:
     def run(self) -> np.ndarray | None:
         """Compute the bound batch: its logits (outputs, vocab), or None if no row wants logits.
 
-        The logits are a view of the graph's output where that is in host memory: read them (or copy
-        what you keep) before the graph's next run.
+        The logits are a view of the graph's output where that is in host memory: valid until the backend
+        computes again (this graph or any other, e.g. a cache shift on another thread); copy what you keep.
         """
         if self.logits is None:
             self.ctx.compute()

@@ -215,6 +215,8 @@ class Runner:
             state.graph.bind(state.batch)
             state.compute_started.set()
             logits = state.graph.run()
+            if logits is not None:  # a copy: the batch builder may compute a cache shift while we sample
+                logits = logits.copy()
             now = time.monotonic()
             with self.cond:
                 for index, (placeholder, row) in placeholders.items():
