@@ -45,6 +45,7 @@ _MINUS_INF = {t: t(-np.inf) for t in (np.float16, np.float32)}
 class _Bound:
     """The inputs bind() created in one context: the arrays it writes at every compute, and their tensors."""
 
+    serial: int  # of the context
     layout: Layout
     locs: np.ndarray
     mask: np.ndarray
@@ -124,7 +125,6 @@ class Causal:
         self._layer = 0
         self._batch: Batch | None = None
         self._bound: _Bound | None = None  # the inputs of the context bound last
-        self._bound_serial = 0
 
     def close(self) -> None:
         if self._backend is not None:
@@ -187,11 +187,11 @@ class Causal:
             np.copyto(bound.mask, self._mask)
         else:
             inputs = ctx.input()
-            bound = _Bound(self.layout, self._locs, self._mask,
+            bound = _Bound(ctx.serial, self.layout, self._locs, self._mask,
                            inputs.from_numpy(self._locs).set_name("kv_cells"),
                            inputs.from_numpy(self._mask).set_name("kq_mask"))
             ctx.bindings[self] = bound
-        self._bound, self._bound_serial = bound, ctx.serial
+        self._bound = bound
 
     def set_causal(self, ctx: Context, except_indices: Sequence[int] = ()) -> None:
         """Let the listed batch entries see the whole batch (e.g. image tokens); reset by every prepare."""
@@ -311,7 +311,7 @@ class Causal:
 
     def _require_bound(self, ctx: Context) -> None:
         self._require_batch()
-        if self._bound is None or ctx.serial != self._bound_serial or self._bound.layout != self.layout:
+        if self._bound is None or ctx.serial != self._bound.serial or self._bound.layout != self.layout:
             raise RuntimeError("the batch is not bound to this context: call start_forward() (or bind()) with it")
 
     def _ensure_sequences(self, count: int) -> None:

@@ -194,10 +194,6 @@ def clear_buffer(buffer, value: int = 0) -> None:
     lib.ggml_backend_buffer_clear(buffer, value)
 
 
-def buffer_type_of(buffer):
-    return lib.ggml_backend_buffer_get_type(buffer)
-
-
 def buffer_size(buffer) -> int:
     return lib.ggml_backend_buffer_get_size(buffer)
 
