@@ -56,7 +56,7 @@ class Ours:
 
         token = first
         for position in range(n):
-            token = int(np.argmax(prefill(self.model, [token], position)))
+            token = int(np.argmax(prefill(self.model, [token], position, copy=False)))
 
     def clear(self) -> None:
         self.model.cache.remove(0, 0)

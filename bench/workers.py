@@ -129,7 +129,7 @@ def inproc_single(a: WorkerArgs) -> dict[str, Any]:
     def generate(first: int, n: int) -> None:
         token = first
         for position in range(n):
-            token = int(np.argmax(prefill(model, [token], position)))
+            token = int(np.argmax(prefill(model, [token], position, copy=False)))
 
     prefill(model, p["warmup"], 0, BATCH)  # warm-up: a short prompt and a few decode steps
     generate(p["warmup"][0], 4)

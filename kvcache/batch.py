@@ -35,11 +35,12 @@ class Batch:
         outputs = _int_vector("outputs", self.outputs)
         if len(positions) != len(sequences):
             raise ValueError(f"batch has {len(positions)} positions but {len(sequences)} sequences")
-        # min()/max() rather than elementwise tests: a batch is made for every decoded token
-        if len(positions) and min(positions.min(), sequences.min()) < 0:
+        # Python's min()/max() over lists: numpy's reductions cost more for the few tokens of a decode step
+        if len(positions) and min(min(positions.tolist()), min(sequences.tolist())) < 0:
             raise ValueError("batch positions and sequences must be non-negative")
-        if len(outputs) and (outputs.min() < 0 or outputs.max() >= len(positions)):
-            raise ValueError(f"batch outputs {outputs.tolist()} outside 0..{len(positions) - 1}")
+        rows = outputs.tolist()
+        if rows and (min(rows) < 0 or max(rows) >= len(positions)):
+            raise ValueError(f"batch outputs {rows} outside 0..{len(positions) - 1}")
         object.__setattr__(self, "positions", positions)
         object.__setattr__(self, "sequences", sequences)
         object.__setattr__(self, "outputs", outputs)

@@ -37,8 +37,7 @@ Layout = tuple[int, int, int]
 """(batch size, first history cell, history length): what a graph built for a batch depends on."""
 
 
-_ZERO = {t: t(0) for t in (np.float16, np.float32)}
-_MINUS_INF = {t: t(-np.inf) for t in (np.float16, np.float32)}
+_MASK_VALUES = {t: np.array([-np.inf, 0], dtype=t) for t in (np.float16, np.float32)}  # indexed by visibility
 
 
 @dataclass(frozen=True)
@@ -116,6 +115,7 @@ class Causal:
         self._cells = math.ceil(cells / padding) * padding
         self._backend = backend
         self._dtype = dtype
+        self._mask_dtype = np.float16 if self._config.mask_dtype == DType.F16 else np.float32
         self._max_batch = max_batch
         self._pos = np.zeros(self._cells, dtype=np.int64)
         self._member = np.zeros((max_sequences, self._cells), dtype=bool)  # [sequence, cell]
@@ -154,7 +154,8 @@ class Causal:
             raise ValueError("cannot start a forward pass with an empty batch")
         if n > self._cells:
             raise CacheFullError(f"could not find a kv cache slot (cache: {self._cells} batch: {n})")
-        self._ensure_sequences(int(batch.sequences.max()) + 1)
+        self._sequences = list(dict.fromkeys(batch.sequences.tolist()))  # unique, cheaper than np.unique when small
+        self._ensure_sequences(max(self._sequences) + 1)
         self._batch = None  # until the batch has its cells
         if reserve:
             locs = np.arange(n, dtype=np.int32)
@@ -167,7 +168,7 @@ class Causal:
             padding = self.config.padding
             start = min(low, int(locs[0])) // padding * padding
             stop = math.ceil(max(high, int(locs[-1]) + 1) / padding) * padding
-        self._batch, self._reserve, self._except = batch, reserve, np.zeros(n, dtype=bool)
+        self._batch, self._reserve, self._except = batch, reserve, None
         self._locs, self._start, self._stop = locs, start, stop
         self._mask = self._build_mask()
         return self.layout
@@ -196,9 +197,14 @@ class Causal:
     def set_causal(self, ctx: Context, except_indices: Sequence[int] = ()) -> None:
         """Let the listed batch entries see the whole batch (e.g. image tokens); reset by every prepare."""
         self._require_bound(ctx)
-        flags = np.zeros(len(self._batch), dtype=bool)
-        flags[list(except_indices)] = True
-        if np.array_equal(flags, self._except):
+        flags = None
+        if len(except_indices):
+            flags = np.zeros(len(self._batch), dtype=bool)
+            flags[list(except_indices)] = True
+        if flags is None or self._except is None:
+            if flags is self._except:
+                return
+        elif np.array_equal(flags, self._except):
             return
         self._except = flags
         self._mask = self._build_mask()
@@ -326,11 +332,11 @@ class Causal:
 
         def include(cells: np.ndarray) -> None:
             nonlocal low, high
-            if cells.any():
-                low = min(low, int(cells.argmax()))
-                high = max(high, len(cells) - int(cells[::-1].argmax()))
+            first = int(cells.argmax())  # argmax, not any() or flatnonzero(): cheaper with cold caches
+            if cells[first]:
+                low, high = min(low, first), max(high, len(cells) - int(cells[::-1].argmax()))
 
-        batch_sequences = dict.fromkeys(batch.sequences.tolist())  # unique, cheaper than np.unique when small
+        batch_sequences = self._sequences
         if self._memory is None:
             for seq in batch_sequences:
                 include(self._member[seq])
@@ -363,20 +369,25 @@ class Causal:
 
     def _build_mask(self) -> np.ndarray:
         """(batch, history) of 0 where a token may attend to a cell and -inf where not."""
-        dtype = np.float16 if self.config.mask_dtype == DType.F16 else np.float32
+        dtype = self._mask_dtype
         batch = self._batch
         if self._reserve:
             return np.zeros((len(batch), self._stop - self._start), dtype=dtype)  # only sized, never read
         cell_pos = self._pos[self._start : self._stop]
-        visible = self._member[batch.sequences, self._start : self._stop]
         positions = batch.positions[:, None]
         causal = cell_pos <= positions
-        visible &= causal | self._except[:, None] if self._except.any() else causal
+        if self._except is not None:
+            causal |= self._except[:, None]
+        sequences = self._sequences
+        if len(sequences) == 1:  # one row of memberships, broadcast over the batch: no gathered copy
+            visible = causal & self._member[sequences[0], self._start : self._stop]
+        else:
+            visible = causal & self._member[batch.sequences, self._start : self._stop]
         if self._chunk is not None:
             visible &= cell_pos >= positions - positions % self._chunk
         if self._window is not None:
             visible &= cell_pos >= positions - self._window
-        return np.where(visible, _ZERO[dtype], _MINUS_INF[dtype])
+        return _MASK_VALUES[dtype][visible.view(np.uint8)]  # cheaper than np.where per decoded token
 
     def _layer_tensors(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
         """The layer's stored key and value, allocated (on the layer's device) at its first put()."""

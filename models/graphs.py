@@ -112,16 +112,17 @@ class Graphs:
             if graph.retired and graph.users == 0:
                 graph.ctx.close()
 
-    def compute(self, batch: Batch) -> np.ndarray | None:
+    def compute(self, batch: Batch, copy: bool = True) -> np.ndarray | None:
         """One batch through the model: logits (len(batch.outputs), vocab), or None if it asks for none.
 
-        The logits are the caller's to keep (a copy).
+        The logits are the caller's to keep (a copy), or with copy=False possibly a view that is valid
+        until the model's backend computes again: for a caller that samples from them at once.
         """
         graph = self.acquire(batch)
         try:
             graph.bind(batch)
             logits = graph.run()
-            return None if logits is None else logits.copy()
+            return logits.copy() if copy and logits is not None else logits
         finally:
             self.release(graph)
 

@@ -27,8 +27,13 @@ BATCH_SIZE = 512
 DEFAULT_CONTEXT = 4096  # when the file states no context length
 
 
-def prefill(model: Model, tokens: list[int], position: int = 0, batch_size: int = BATCH_SIZE) -> np.ndarray:
-    """Feed tokens from `position` on in batches of batch_size; the logits of the last token."""
+def prefill(
+    model: Model, tokens: list[int], position: int = 0, batch_size: int = BATCH_SIZE, *, copy: bool = True
+) -> np.ndarray:
+    """Feed tokens from `position` on in batches of batch_size; the logits of the last token.
+
+    With copy=False they may be a view that the model's next computation overwrites (see Graphs.compute).
+    """
     if not tokens:
         raise ValueError("nothing to evaluate: no tokens")
     logits = None
@@ -36,12 +41,12 @@ def prefill(model: Model, tokens: list[int], position: int = 0, batch_size: int 
         chunk = tokens[start : start + batch_size]
         last = start + len(chunk) == len(tokens)
         batch = Batch(
-            positions=np.arange(position + start, position + start + len(chunk)),
-            sequences=np.zeros(len(chunk)),
-            outputs=[len(chunk) - 1] if last else [],
-            tokens=chunk,
+            positions=np.arange(position + start, position + start + len(chunk), dtype=np.int32),
+            sequences=np.zeros(len(chunk), dtype=np.int32),
+            outputs=np.array([len(chunk) - 1] if last else [], dtype=np.int32),
+            tokens=np.array(chunk, dtype=np.int32),
         )
-        logits = model.graphs.compute(batch)
+        logits = model.graphs.compute(batch, copy=copy)
     assert logits is not None
     return logits[0]
 
@@ -86,7 +91,7 @@ def _generate(model: Model, prompt: str, n: int, sampler: Sampler, out: TextIO) 
     log.info("model loaded in %.2fs", time.perf_counter() - started)
 
     started = time.perf_counter()
-    logits = prefill(model, tokens, 0, min(BATCH_SIZE, len(tokens) + n))
+    logits = prefill(model, tokens, 0, min(BATCH_SIZE, len(tokens) + n), copy=False)  # sampled at once
     log.info("prompt: %d tokens in %.2fs", len(tokens), time.perf_counter() - started)
 
     started = time.perf_counter()
@@ -103,7 +108,7 @@ def _generate(model: Model, prompt: str, n: int, sampler: Sampler, out: TextIO) 
             break
         position = len(tokens) + len(generated) - 1
         batch = Batch(positions=[position], sequences=[0], outputs=[0], tokens=[token])
-        logits = model.graphs.compute(batch)[0]
+        logits = model.graphs.compute(batch, copy=False)[0]
     out.write(text.decode(b"", final=True))
     out.flush()
     log.info("generated %d tokens in %.2fs", len(generated), time.perf_counter() - started)

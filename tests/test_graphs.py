@@ -130,6 +130,22 @@ def test_batches_of_several_sequences_reuse_a_graph_with_their_own_masks(tiny):
         alone.close()
 
 
+def test_compute_returns_a_copy_to_keep_or_a_view_the_next_compute_overwrites(tiny):
+    model = open_model(tiny)
+    try:
+        steps = [Batch(positions=[p], sequences=[0], outputs=[0], tokens=[5 + p]) for p in range(2)]
+        kept = model.graphs.compute(steps[0])
+        view = model.graphs.compute(steps[1], copy=False)
+        assert not np.shares_memory(kept, view)
+        first = view.copy()
+        model.cache.remove(0, 1)  # recompute step 1 with another token: the view follows the graph's output
+        model.graphs.compute(Batch(positions=[1], sequences=[0], outputs=[0], tokens=[9]), copy=False)
+        assert not np.array_equal(view, first)
+        assert np.isfinite(kept).all() and not np.array_equal(kept, first)
+    finally:
+        model.close()
+
+
 def test_set_input_by_name_and_host_views():
     with Backend(None) as backend, backend.new_context() as ctx:
         values = ctx.input().from_numpy(np.arange(4, dtype=np.float32)).set_name("values")
