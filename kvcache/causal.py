@@ -163,11 +163,16 @@ class Causal:
         else:
             low, high = self._history_range(batch)
             locs = self._find_locs(n)
-            self._pos[locs] = batch.positions
-            self._member[batch.sequences, locs] = True  # the cells were free: no other sequence uses them
+            first, last = int(locs[0]), int(locs[-1])
+            if n == 1:  # a decode step: scalar stores cost a fraction of fancy indexing
+                self._pos[first] = batch.positions[0]
+                self._member[self._sequences[0], first] = True
+            else:
+                self._pos[locs] = batch.positions
+                self._member[batch.sequences, locs] = True  # the cells were free: no other sequence uses them
             padding = self.config.padding
-            start = min(low, int(locs[0])) // padding * padding
-            stop = math.ceil(max(high, int(locs[-1]) + 1) / padding) * padding
+            start = min(low, first) // padding * padding
+            stop = math.ceil(max(high, last + 1) / padding) * padding
         self._batch, self._reserve, self._except = batch, reserve, None
         self._locs, self._start, self._stop = locs, start, stop
         self._mask = self._build_mask()
