@@ -162,7 +162,8 @@ def inproc_single(a: WorkerArgs) -> dict[str, Any]:
 class LlamaCpp:
     """A llama.cpp model and context through llama-cpp-python's ctypes bindings, with no Python layer above."""
 
-    def __init__(self, a: WorkerArgs, n_ctx: int, n_seq_max: int):
+    def __init__(self, a: WorkerArgs, n_ctx: int, n_seq_max: int, eval_callback=None):
+        """eval_callback: a llama_cpp.ggml_backend_sched_eval_callback for the context (profile_ops.py)."""
         import llama_cpp as api
 
         self.api = api
@@ -185,6 +186,9 @@ class LlamaCpp:
         cparams.n_threads_batch = a.threads
         cparams.flash_attn_type = api.LLAMA_FLASH_ATTN_TYPE_DISABLED
         cparams.type_k = cparams.type_v = 1  # GGML_TYPE_F16
+        if eval_callback is not None:
+            self._eval_callback = eval_callback  # keep a reference
+            cparams.cb_eval = eval_callback
         self.non_default = {
             "model": {k: v for k, v in _fields(mparams).items() if model_defaults[k] != v},
             "context": {k: v for k, v in _fields(cparams).items() if context_defaults[k] != v},

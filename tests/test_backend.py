@@ -128,3 +128,26 @@ def test_load_is_byte_exact_with_monotonic_progress(stories):
 def test_fit_backend_cannot_load(stories):
     with Backend(stories, allocate=False) as backend, pytest.raises(RuntimeError, match="without memory allocation"):
         backend.load()
+
+
+def test_time_ops_sums_seconds_per_kind_of_node_and_leaves_results_unchanged(stories):
+    with Backend(stories, allocate=True, num_threads=2) as backend:
+        backend.load()
+
+        def run() -> np.ndarray:
+            with backend.new_context() as ctx:
+                logits = build_graph(backend, ctx, 8)
+                ctx.compute(logits)
+                return logits.numpy()
+
+        plain = run()
+        with backend.time_ops() as times:
+            timed = run()
+        assert np.array_equal(timed, plain)
+        weight = backend.get("blk.0.attn_q.weight")
+        width = "x".join(str(d) for d in weight.shape)
+        assert times[f"MUL_MAT {weight.dtype.name.lower()} {width}"] > 0
+        assert {"GET_ROWS", "RMS_NORM"} <= set(times) and all(t >= 0 for t in times.values())
+        before = dict(times)
+        run()  # after the block nodes run as whole graphs again, untimed
+        assert times == before

@@ -157,6 +157,20 @@ def tensor_type(t) -> int:
     return t.type
 
 
+def node_kind(t) -> str:
+    """A node's op, with its weight's type and shape for matmuls ("MUL_MAT q8_0 576x1536"): to profile by.
+
+    t may also be the address of a ggml_tensor as an int (a node another library's callback handed over).
+    """
+    if isinstance(t, int):
+        t = ffi.cast("struct ggml_tensor *", t)
+    kind = ffi.string(lib.ggml_op_desc(t)).decode()
+    if t.op in (lib.GGML_OP_MUL_MAT, lib.GGML_OP_MUL_MAT_ID):
+        weight = t.src[0]
+        kind += f" {type_name(weight.type)} " + "x".join(str(d) for d in weight.ne[0 : lib.ggml_n_dims(weight)])
+    return kind
+
+
 def nbytes(t) -> int:
     return lib.ggml_nbytes(t)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import NULL, ffi, lib
@@ -242,6 +244,30 @@ class Scheduler:
 
     def reset(self) -> None:
         lib.ggml_backend_sched_reset(self.handle)
+
+    def set_node_timer(self, record: Callable[[object, float], None] | None) -> None:
+        """Compute node by node and call record(node, seconds) after each one; None: back to whole graphs.
+
+        This is ggml's eval callback asking for every node, so every node is its own graph compute: the
+        seconds include that overhead, the same for every op.
+        """
+        if record is None:
+            self._node_timer = None
+            lib.ggml_backend_sched_set_eval_callback(self.handle, NULL, NULL)
+            return
+        started = [0.0]
+
+        @ffi.callback("ggml_backend_sched_eval_callback")
+        def on_node(node, ask, user_data) -> bool:
+            now = time.perf_counter()
+            if ask:
+                started[0] = now
+            else:
+                record(node, now - started[0])
+            return True
+
+        self._node_timer = on_node  # the callback lives as long as ggml may call it
+        lib.ggml_backend_sched_set_eval_callback(self.handle, on_node, NULL)
 
 
     def free(self) -> None:

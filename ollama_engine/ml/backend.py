@@ -13,12 +13,14 @@ recorded and then really allocated, so both report identical numbers.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import logging
 import mmap
 import os
 import re
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -276,6 +278,25 @@ class Backend:
             over = not all(self._within_limit(d) for d in self.compute_devices)
             if over or not self.scheduler.reserve(graph):
                 raise NoMemory(self.memory)
+
+    @contextlib.contextmanager
+    def time_ops(self) -> Iterator[dict[str, float]]:
+        """Seconds per kind of node (ggml.node_kind) over every graph computed inside the block.
+
+        Meanwhile nodes run one at a time, which is slower as a whole but compares op with op
+        (bench/profile_ops.py sets ours beside llama.cpp's).
+        """
+        assert self.scheduler is not None
+        times: dict[str, float] = collections.defaultdict(float)
+
+        def record(node, seconds: float) -> None:
+            times[ggml.node_kind(node)] += seconds
+
+        self.scheduler.set_node_timer(record)
+        try:
+            yield times
+        finally:
+            self.scheduler.set_node_timer(None)
 
     def allocated(self) -> dict[str, int]:
         """Bytes really allocated per device name (buffers and compute buffers), to check the report against."""
