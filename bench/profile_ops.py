@@ -31,24 +31,20 @@ from bench import ensure_model  # noqa: E402
 
 
 def llama_cpp_with_timer(path: Path, threads: int, times: dict[str, float]) -> LlamaCpp:
-    """llama.cpp with an eval callback that times every node into `times`."""
+    """llama.cpp with an eval callback that times every node into `times`: the same callback as ours."""
     import llama_cpp as api
 
     from ollama_engine import ggml
+    from ollama_engine.ggml.backend import NodeTimer
 
-    started = [0.0]
+    def record(node, seconds: float) -> None:
+        times[ggml.node_kind(node)] += seconds
 
-    def on_node(node: int, ask: bool, user_data) -> bool:
-        now = time.perf_counter()
-        if ask:
-            started[0] = now
-        else:
-            times[ggml.node_kind(node)] += now - started[0]
-        return True
-
+    timer = NodeTimer(record)
+    _KEEP_ALIVE.append(timer)
     args = WorkerArgs(engine="llamacpp", task="single", model=str(path), prompts={}, threads=threads,
                       t0=time.time(), gpu=False, streams=[], verbose=False)
-    return LlamaCpp(args, N_CTX, 1, eval_callback=api.ggml_backend_sched_eval_callback(on_node))
+    return LlamaCpp(args, N_CTX, 1, eval_callback=api.ggml_backend_sched_eval_callback(timer.address))
 
 
 def main() -> None:

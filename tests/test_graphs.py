@@ -187,15 +187,36 @@ def test_q4_0_weights_are_repacked_for_the_cpu_and_match_the_plain_layout(tmp_pa
     assert (np.argmax(logits, axis=1) == np.argmax(results[False][1], axis=1)).mean() > 0.9
 
 
-def test_host_weight_buffers_are_advised_onto_huge_pages():
+def vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping that holds `address`, from /proc/self/smaps."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            low, high = (int(part, 16) for part in head.split("-"))
+            inside = low <= address < high
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    raise LookupError(f"no mapping holds {address:#x}")
+
+
+def test_cpu_weight_buffers_repacked_ones_included_are_advised_onto_huge_pages(tmp_path):
     from ollama_engine.ggml import backend as ggml_backend
-    from ollama_engine.ml.device import cpu_device
 
     setting = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if not setting.exists() or "[never]" in setting.read_text():
         pytest.skip("no transparent huge pages on this machine")
-    buffer = ggml_backend.alloc_buffer(cpu_device().buffer_type, 8 << 20)
+    path = write_synthetic(tmp_path / "q4.gguf", "llama", weight_type="Q4_0", n_embd=1024, n_ff=4096, n_head=8,
+                           n_head_kv=8)
+    model = load_model(path, num_threads=THREADS)
     try:
-        assert ggml_backend.advise_huge_pages(buffer)
+        assert model.backend.repacked_weights()
+        buffers = [buffer for _, buffer in model.backend._buffers]
+        assert all(ggml_backend.in_host_memory(b) for b in buffers)  # the repacked ones too
+        large = [b for b in buffers if ggml_backend.buffer_size(b) >= 4 * ggml_backend.HUGE_PAGE]
+        assert len(large) == 2  # the repacked matrices, and the rest (token embeddings, norms)
+        for buffer in large:
+            inner = -(-ggml_backend.buffer_base(buffer) // ggml_backend.HUGE_PAGE) * ggml_backend.HUGE_PAGE
+            assert "hg" in vm_flags(inner)
     finally:
-        ggml_backend.free_buffer(buffer)
+        model.close()

@@ -166,16 +166,33 @@ HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14  # Linux
 
 
+def in_host_memory(buffer) -> bool:
+    """Whether the buffer's bytes are in the process's memory: host buffers, and every CPU buffer type.
+
+    ggml's "is host" means more: that the bytes are in ggml's plain layout, which the CPU's repacked
+    buffer types (CPU_REPACK) are not, though they are as much in host memory.
+    """
+    if lib.ggml_backend_buffer_is_host(buffer):
+        return True
+    device = lib.ggml_backend_buft_get_device(lib.ggml_backend_buffer_get_type(buffer))
+    return device != NULL and lib.ggml_backend_dev_type(device) == lib.GGML_BACKEND_DEVICE_TYPE_CPU
+
+
+def buffer_base(buffer) -> int:
+    """The buffer's address: for the memory report and to find its pages in /proc/self/smaps."""
+    return int(ffi.cast("uintptr_t", lib.ggml_backend_buffer_get_base(buffer)))
+
+
 def advise_huge_pages(buffer) -> bool:
-    """Ask Linux to back a host buffer with 2 MiB pages (before it is first written).
+    """Ask Linux to back a buffer in host memory with 2 MiB pages (before it is first written).
 
     Weights are streamed through once per token; with 4 KiB pages that costs a TLB miss every 4 KiB,
     and decoding measured about 10% faster on huge pages. A no-op (False) off Linux, for device memory,
     or where transparent huge pages are disabled.
     """
-    if not sys.platform.startswith("linux") or not lib.ggml_backend_buffer_is_host(buffer):
+    if not sys.platform.startswith("linux") or not in_host_memory(buffer):
         return False
-    base = int(ffi.cast("uintptr_t", lib.ggml_backend_buffer_get_base(buffer)))
+    base = buffer_base(buffer)
     start = -(-base // HUGE_PAGE) * HUGE_PAGE
     stop = (base + lib.ggml_backend_buffer_get_size(buffer)) // HUGE_PAGE * HUGE_PAGE
     if stop <= start:
@@ -205,6 +222,30 @@ def free_buffer(buffer) -> None:
 
 
 # ---------------------------------------------------------------- scheduler
+
+
+class NodeTimer:
+    """A ggml eval callback that asks for every node and calls record(node, seconds) after each one.
+
+    Every node then is its own graph compute: the seconds include that overhead, the same for every op.
+    `address` is the C function pointer, for another library's scheduler (llama.cpp's cb_eval), so that
+    both sides pay the same callback overhead.
+    """
+
+    def __init__(self, record: Callable[[object, float], None]):
+        started = [0.0]
+
+        @ffi.callback("ggml_backend_sched_eval_callback")
+        def on_node(node, ask, user_data) -> bool:
+            now = time.perf_counter()
+            if ask:
+                started[0] = now
+            else:
+                record(node, now - started[0])
+            return True
+
+        self.callback = on_node
+        self.address = int(ffi.cast("uintptr_t", on_node))
 
 
 class Scheduler:
@@ -245,30 +286,11 @@ class Scheduler:
     def reset(self) -> None:
         lib.ggml_backend_sched_reset(self.handle)
 
-    def set_node_timer(self, record: Callable[[object, float], None] | None) -> None:
-        """Compute node by node and call record(node, seconds) after each one; None: back to whole graphs.
-
-        This is ggml's eval callback asking for every node, so every node is its own graph compute: the
-        seconds include that overhead, the same for every op.
-        """
-        if record is None:
-            self._node_timer = None
-            lib.ggml_backend_sched_set_eval_callback(self.handle, NULL, NULL)
-            return
-        started = [0.0]
-
-        @ffi.callback("ggml_backend_sched_eval_callback")
-        def on_node(node, ask, user_data) -> bool:
-            now = time.perf_counter()
-            if ask:
-                started[0] = now
-            else:
-                record(node, now - started[0])
-            return True
-
-        self._node_timer = on_node  # the callback lives as long as ggml may call it
-        lib.ggml_backend_sched_set_eval_callback(self.handle, on_node, NULL)
-
+    def set_node_timer(self, timer: NodeTimer | None) -> None:
+        """Compute node by node, timing each one with `timer`; None: back to whole graphs."""
+        self._node_timer = timer  # the callback lives as long as ggml may call it
+        callback = NULL if timer is None else timer.callback
+        lib.ggml_backend_sched_set_eval_callback(self.handle, callback, NULL)
 
     def free(self) -> None:
         if self.handle != NULL:

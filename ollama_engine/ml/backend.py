@@ -292,7 +292,7 @@ class Backend:
         def record(node, seconds: float) -> None:
             times[ggml.node_kind(node)] += seconds
 
-        self.scheduler.set_node_timer(record)
+        self.scheduler.set_node_timer(ggml_backend.NodeTimer(record))
         try:
             yield times
         finally:
