@@ -162,6 +162,19 @@ def test_set_input_by_name_and_host_views():
             ctx.set_input("values", np.zeros(3, dtype=np.float32))
 
 
+def test_computed_tensors_start_on_cache_lines():
+    """ggml's CPU buffers align to 32 bytes; ours to 64, so no two threads' chunks share a cache line."""
+    with Backend(None) as backend, backend.new_context() as ctx:
+        odd = [ctx.input().from_numpy(np.arange(n, dtype=np.float32)) for n in (1, 3, 5, 7)]
+        nodes = [x.scale(2.0) for x in odd]
+        nodes += [a.add(a) for a in nodes]
+        ctx.forward(*nodes)
+        ctx.compute()
+        addresses = [node.numpy(copy=False).ctypes.data for node in nodes]
+        assert all(address % 64 == 0 for address in addresses), [address % 64 for address in addresses]
+        np.testing.assert_array_equal(nodes[-1].numpy(), 4 * np.arange(7, dtype=np.float32))
+
+
 def test_q4_0_weights_are_repacked_for_the_cpu_and_match_the_plain_layout(tmp_path):
     path = write_synthetic(tmp_path / "q4.gguf", "llama", weight_type="Q4_0", n_embd=256, n_ff=512, n_head=4,
                            n_head_kv=4)

@@ -262,9 +262,10 @@ class Backend:
         ggml_backend.set_threads(self._backends[-1], num_threads)
         self.num_threads = num_threads
         self.max_graph_nodes = max(1024, 32 * len(self.weights))
-        self.scheduler = ggml_backend.Scheduler(
-            self._backends, [d.buffer_type for d in self.compute_devices], self.max_graph_nodes
-        )
+        # the CPU's compute buffer puts tensors on cache lines (ggml's own CPU buffer type: 32 bytes)
+        compute_buffer_types = [d.buffer_type for d in self.compute_devices[:-1]]
+        compute_buffer_types.append(ggml_backend.cpu_cache_line_buffer_type())
+        self.scheduler = ggml_backend.Scheduler(self._backends, compute_buffer_types, self.max_graph_nodes)
 
     def reserve(self, graph) -> None:
         """Make room for this graph's compute buffers (fit: only measure); Graph keeps the maximum."""
