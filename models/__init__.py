@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from ollama_engine.fs import GGUFFile
 from ollama_engine.kvcache import Batch
 from ollama_engine.ml import Backend, Context, GPULayers, Tensor
-from ollama_engine.tokenizer import from_metadata
+from ollama_engine.tokenizer import Tokenizer, from_metadata
 
 from . import bert, llama, qwen2, qwen3  # noqa: F401 - importing an architecture registers it
 from .base import REGISTRY, Model, ModelError, bind, model_class, register, registry_name, require_uint, weight
@@ -34,9 +34,8 @@ def load_model(
 
     repack_weights=False keeps ggml's plain weight layout on the CPU (see Backend).
     """
-    file = GGUFFile.open(path)
+    file, tokenizer = _read(path)
     factory = model_class(file.config)
-    tokenizer = from_metadata(file.metadata)
     backend = Backend(
         file, gpu_layers, allocate=allocate, num_threads=num_threads, flash_attention=flash_attention,
         repack_weights=repack_weights,
@@ -46,6 +45,26 @@ def load_model(
     except BaseException:
         backend.close()
         raise
+
+
+_last_read: list[tuple[tuple, GGUFFile, Tokenizer]] = []
+
+
+def _read(path: str | os.PathLike[str]) -> tuple[GGUFFile, Tokenizer]:
+    """The file's metadata and its tokenizer; those of the last file read are kept.
+
+    The runner opens every model twice in a row (fit, then allocate), and a 128k vocabulary takes about a
+    second to parse and index. Both are read-only once built. A file changed since (size or time) is read again.
+    """
+    stat = os.stat(path)
+    key = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
+    if _last_read and _last_read[0][0] == key:
+        return _last_read[0][1], _last_read[0][2]
+    file = GGUFFile.open(path)
+    model_class(file.config)  # an unknown architecture is reported before the tokenizer is built
+    tokenizer = from_metadata(file.metadata)
+    _last_read[:] = [(key, file, tokenizer)]
+    return file, tokenizer
 
 
 def forward(model: Model, ctx: Context, batch: Batch) -> Tensor | None:

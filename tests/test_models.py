@@ -283,3 +283,21 @@ def test_generate_rejects_a_prompt_longer_than_the_context(synthetic):
     path = synthetic("llama", context_length=8, name="short")
     with pytest.raises(ValueError, match="does not fit the context of 8 tokens"):
         generate(path, PROMPT, 4, out=io.StringIO(), num_threads=THREADS)
+
+
+def test_a_file_opened_twice_in_a_row_is_parsed_once_unless_it_changed(tmp_path):
+    """The runner opens every model twice (fit, then allocate): the second open reuses the tokenizer."""
+    path = write_synthetic(tmp_path / "tiny.gguf", "llama")
+    fit = load_model(path, allocate=False)
+    allocated = load_model(path)
+    try:
+        assert allocated.tokenizer is fit.tokenizer and allocated.backend is not fit.backend
+    finally:
+        fit.close()
+        allocated.close()
+    write_synthetic(path, "llama", seed=1)  # rewritten: read again
+    model = load_model(path, allocate=False)
+    try:
+        assert model.tokenizer is not fit.tokenizer
+    finally:
+        model.close()
