@@ -202,14 +202,13 @@ class Causal:
     def set_causal(self, ctx: Context, except_indices: Sequence[int] = ()) -> None:
         """Let the listed batch entries see the whole batch (e.g. image tokens); reset by every prepare."""
         self._require_bound(ctx)
-        flags = None
+        flags = None  # None: no exceptions, as every prepare() leaves it
         if len(except_indices):
             flags = np.zeros(len(self._batch), dtype=bool)
             flags[list(except_indices)] = True
-        if flags is None or self._except is None:
-            if flags is self._except:
-                return
-        elif np.array_equal(flags, self._except):
+        unchanged = (self._except is None if flags is None
+                     else self._except is not None and np.array_equal(flags, self._except))
+        if unchanged:
             return
         self._except = flags
         self._mask = self._build_mask()

@@ -397,6 +397,9 @@ def test_set_causal_exceptions(backend):
         _, _, mask = cache.get(ctx)
         ctx.compute(mask)
         np.testing.assert_array_equal(mask.numpy(), mask_rows("0 x x", "0 0 0", "0 0 0"))
+        cache.set_causal(ctx, [])  # no exceptions: causal again, in the same graph
+        ctx.compute(mask)
+        np.testing.assert_array_equal(mask.numpy(), mask_rows("0 x x", "0 0 x", "0 0 0"))
     _, _, _, mask = forward(backend, cache, [9.0], (1, 1, 1), [0], [3])  # a new batch is causal again
     np.testing.assert_array_equal(mask, mask_rows("0 0 0 0"))
 
