@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -61,6 +62,32 @@ def exit_on_fatal(err: BaseException) -> None:
     os._exit(1)
 
 
+class LoopInbox:
+    """Hands items from the batch loop's thread to the event loop, waking the loop once per burst.
+
+    Every step of the batch loop yields a piece for each active sequence. Waking the event loop for each
+    one (call_soon_threadsafe writes to its self-pipe) cost a system call per sequence per token.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[Callable[[Any], None], Any]] = []
+
+    def put(self, deliver: Callable[[Any], None], item: Any) -> None:
+        with self._lock:
+            self._pending.append((deliver, item))
+            if len(self._pending) > 1:
+                return  # the first item of this burst has already scheduled a drain
+        self._loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for deliver, item in pending:
+            deliver(item)
+
+
 class RunnerServer:
     """One runner process: at most one model, loaded through /load, then served until the process ends."""
 
@@ -76,6 +103,7 @@ class RunnerServer:
         self.ready = asyncio.Event()
         self.slots: asyncio.Semaphore | None = None
         self._commit_task: asyncio.Task | None = None
+        self._inbox: LoopInbox | None = None  # made in the event loop, at the first completion
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY)
@@ -197,7 +225,9 @@ class RunnerServer:
             return text_error(500, f"Failed to create new sequence: {err}")
 
         await slots.acquire()
-        loop = asyncio.get_running_loop()
+        if self._inbox is None:
+            self._inbox = LoopInbox(asyncio.get_running_loop())
+        inbox = self._inbox
         queue: asyncio.Queue[Piece | None] = asyncio.Queue()
 
         def deliver(item: Piece | None) -> None:
@@ -206,7 +236,7 @@ class RunnerServer:
                 slots.release()  # the sequence has left its place in the batch loop
 
         try:
-            runner.add(seq, lambda item: loop.call_soon_threadsafe(deliver, item))
+            runner.add(seq, lambda item: inbox.put(deliver, item))
         except Exception as err:
             slots.release()
             return text_error(500, str(err))

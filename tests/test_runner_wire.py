@@ -11,7 +11,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from ollama_engine.ml import DeviceID
 from ollama_engine.runner.inputs import Input
 from ollama_engine.runner.sequence import DoneReason, InputTooLongError, fit_prompt
-from ollama_engine.server.app import RunnerServer
+from ollama_engine.server.app import LoopInbox, RunnerServer
 from ollama_engine.server.wire import (
     CompletionRequest,
     Float32,
@@ -198,3 +198,34 @@ def test_fit_prompt_errors():
         fit_prompt(inputs(12, {1: 1}), 10, 4, truncate=True)
     with pytest.raises(ValueError, match="entire prompt removed by truncation"):
         fit_prompt(inputs(12, {4: 7}), 10, 4, truncate=True)
+
+
+def test_loop_inbox_wakes_the_event_loop_once_per_burst_and_keeps_the_order():
+    async def run() -> tuple[dict[str, list[int]], int]:
+        loop = asyncio.get_running_loop()
+        wakeups = 0
+        original = loop.call_soon_threadsafe
+
+        def counting(callback, *args):
+            nonlocal wakeups
+            wakeups += callback == inbox._drain
+            return original(callback, *args)
+
+        loop.call_soon_threadsafe = counting
+        inbox = LoopInbox(loop)
+        received: dict[str, list[int]] = {"a": [], "b": []}
+        done = asyncio.Event()
+
+        def burst() -> None:  # a step of the batch loop: one piece for each of two sequences, ten times over
+            for i in range(10):
+                inbox.put(received["a"].append, i)
+                inbox.put(received["b"].append, i)
+            inbox.put(lambda _: done.set(), None)
+
+        await asyncio.to_thread(burst)  # the loop is waiting for the thread: all of it is one burst
+        await asyncio.wait_for(done.wait(), 5)
+        return received, wakeups
+
+    received, wakeups = asyncio.run(run())
+    assert received == {"a": list(range(10)), "b": list(range(10))}
+    assert wakeups == 1
