@@ -6,7 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ollama_engine import ggml
 from ollama_engine.fs import GGUFFile
+from ollama_engine.ggml import backend as ggml_backend
 from ollama_engine.ml import Backend, DeviceID, DType, GPULayers, NoMemory
 
 CACHE_CELLS = 256
@@ -151,3 +153,23 @@ def test_time_ops_sums_seconds_per_kind_of_node_and_leaves_results_unchanged(sto
         before = dict(times)
         run()  # after the block nodes run as whole graphs again, untimed
         assert times == before
+
+
+def test_a_failing_op_timer_is_logged_and_the_graph_still_computes(stories, caplog):
+    with Backend(stories, allocate=True, num_threads=2) as backend:
+        backend.load()
+        timed: list[str] = []
+
+        def fails_once(node, seconds: float) -> None:
+            timed.append(ggml.node_kind(node))
+            if len(timed) == 1:
+                raise KeyError("boom")
+
+        backend.scheduler.set_node_timer(ggml_backend.NodeTimer(fails_once))
+        try:
+            with backend.new_context() as ctx:
+                ctx.compute(build_graph(backend, ctx, 4))
+        finally:
+            backend.scheduler.set_node_timer(None)
+        assert "node timer failed" in caplog.text
+        assert timed[-1].startswith("MUL_MAT") and len(timed) > 2 * backend.block_count  # to the output layer

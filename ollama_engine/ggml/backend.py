@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import NULL, ffi, lib
+
+_log = logging.getLogger(__name__)
 
 DEVICE_TYPES = {
     lib.GGML_BACKEND_DEVICE_TYPE_CPU: "CPU",
@@ -245,7 +248,12 @@ class NodeTimer:
     def __init__(self, record: Callable[[object, float], None]):
         started = [0.0]
 
-        @ffi.callback("ggml_backend_sched_eval_callback")
+        def on_error(exception: type[BaseException], value: BaseException, trace) -> bool:
+            # returning False would make the scheduler skip the rest of the graph, silently
+            _log.error("node timer failed: %r", value)
+            return True
+
+        @ffi.callback("ggml_backend_sched_eval_callback", onerror=on_error)
         def on_node(node, ask, user_data) -> bool:
             now = time.perf_counter()
             if ask:
