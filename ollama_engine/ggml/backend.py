@@ -159,8 +159,7 @@ def dummy_buffer(buft):
 
 
 def place_tensor(buffer, tensor, offset: int = 0) -> None:
-    base = ffi.cast("char *", lib.ggml_backend_buffer_get_base(buffer))
-    status = lib.ggml_backend_tensor_alloc(buffer, tensor, base + offset)
+    status = lib.ggml_backend_tensor_alloc(buffer, tensor, ffi.cast("void *", buffer_base(buffer) + offset))
     if status != lib.GGML_STATUS_SUCCESS:
         raise RuntimeError(f"ggml_backend_tensor_alloc failed with status {status}")
 
