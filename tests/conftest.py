@@ -1,20 +1,15 @@
-"""Shared fixtures: where the reference files are, and the rule for tests that need llama.cpp."""
+"""Shared fixtures: the test assets (see assets.py), and the rule for tests that need llama.cpp."""
 
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 
+import assets
 import pytest
+from assets import REQUIRE_REFERENCE
 
-from ollama_engine.paths import REPO_ROOT
-
-SHARED = Path(os.environ.get("OLLAMA_ENGINE_SHARED", REPO_ROOT.parent / "shared"))
-STORIES = SHARED / "models" / "stories260K.gguf"
 HAVE_REFERENCE = importlib.util.find_spec("llama_cpp") is not None
-# CI sets this so that a missing reference fails the run instead of skipping the parity tests.
-REQUIRE_REFERENCE = os.environ.get("OLLAMA_ENGINE_REQUIRE_REFERENCE") == "1"
 
 
 REFERENCE_MISSING = "needs the llama.cpp reference: pip install llama-cpp-python==0.3.36 (python3 dev.py test does)"
@@ -35,9 +30,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def stories_path() -> Path:
-    if not STORIES.exists():
-        pytest.skip(f"{STORIES} is missing (the shared/ folder beside the repository)")
-    return STORIES
+    """The real TinyStories llama in tests/data (missing: skip, or fail where assets are required)."""
+    return assets.stories()
 
 
 @pytest.fixture(scope="session")
@@ -48,6 +42,4 @@ def smollm2_path() -> Path:
     try:
         return fetch("smollm2-135m-instruct", quiet=True)
     except RealModelUnavailable as error:
-        if REQUIRE_REFERENCE:
-            pytest.fail(f"real model missing with OLLAMA_ENGINE_REQUIRE_REFERENCE=1: {error}")
-        pytest.skip(str(error))
+        assets.missing(f"real model missing: {error}")

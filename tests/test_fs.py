@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
+import re
 import struct
 from pathlib import Path
 
+import assets
 import gguf
 import numpy as np
 import pytest
 
-from ollama_engine import paths
 from ollama_engine.fs import Config, GGUFError, GGUFFile
 from ollama_engine.fs.synthetic import write_synthetic
-
-STORIES = Path("/work/shared/models/stories260K.gguf")
-needs_stories = pytest.mark.skipif(not STORIES.exists(), reason=f"{STORIES} is not present")
-needs_vocab = pytest.mark.skipif(
-    not (paths.vocab_dir() / "ggml-vocab-llama-spm.gguf").exists(),
-    reason="llama.cpp's vocab files are not extracted (run build_ggml.py)",
-)
-
 
 # ---------------------------------------------------------------- Config
 
@@ -125,22 +119,27 @@ def assert_same_metadata(ours: dict[str, object], theirs: dict[str, object]) -> 
             assert ours[key] == value, key
 
 
-@needs_stories
-def test_stories_metadata_matches_gguf_reader() -> None:
-    model = GGUFFile.open(STORIES)
-    reader = gguf.GGUFReader(STORIES)
+def test_stories_file_is_the_one_described_in_its_readme(stories_path: Path) -> None:
+    readme = (stories_path.parent / "README.md").read_text()
+    recorded = re.search(r"sha256 of `stories260K.gguf`: `([0-9a-f]{64})`", readme)
+    assert recorded is not None
+    assert hashlib.sha256(stories_path.read_bytes()).hexdigest() == recorded[1]
+
+
+def test_stories_metadata_matches_gguf_reader(stories_path: Path) -> None:
+    model = GGUFFile.open(stories_path)
+    reader = gguf.GGUFReader(stories_path)
     assert_same_metadata(model.metadata, reader_metadata(reader))
     assert model.architecture == "llama"
     assert model.config.get_uint("block_count") == reader.fields["llama.block_count"].contents()
     assert model.version == reader.fields["GGUF.version"].contents()
 
 
-@needs_stories
-def test_stories_tensor_index_matches_gguf_reader() -> None:
-    model = GGUFFile.open(STORIES)
-    reader = gguf.GGUFReader(STORIES)
+def test_stories_tensor_index_matches_gguf_reader(stories_path: Path) -> None:
+    model = GGUFFile.open(stories_path)
+    reader = gguf.GGUFReader(stories_path)
     assert model.tensor_data_offset == reader.data_offset
-    assert model.file_size == STORIES.stat().st_size
+    assert model.file_size == stories_path.stat().st_size
     assert list(model.tensors) == [t.name for t in reader.tensors]
     for t in reader.tensors:
         info = model.tensors[t.name]
@@ -157,9 +156,8 @@ def test_stories_tensor_index_matches_gguf_reader() -> None:
     )
 
 
-@needs_vocab
 def test_vocab_metadata_matches_gguf_reader() -> None:
-    path = paths.vocab_dir() / "ggml-vocab-llama-spm.gguf"
+    path = assets.vocab("llama-spm")
     model = GGUFFile.open(path)
     reader = gguf.GGUFReader(path)
     assert_same_metadata(model.metadata, reader_metadata(reader))
@@ -200,8 +198,7 @@ def small_file(path: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def synthetic_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if not (paths.vocab_dir() / "ggml-vocab-llama-spm.gguf").exists():
-        pytest.skip("llama.cpp's vocab files are not extracted (run build_ggml.py)")
+    assets.vocab("llama-spm")  # write_synthetic copies its tokenizer
     path = tmp_path_factory.mktemp("fs") / "tiny.gguf"
     return write_synthetic(path, "llama", weight_type="Q8_0", n_layer=1)
 

@@ -67,6 +67,11 @@ def reference():
     return open_reference
 
 
+def model_file(request: pytest.FixtureRequest, synthetic, name: str) -> Path:
+    """The real stories model or a synthetic F32 one; only the stories case asks for the stories file."""
+    return request.getfixturevalue("stories_path") if name == "stories" else synthetic(name, "F32")
+
+
 def reference_logits(llm, tokens: list[int]) -> np.ndarray:
     """Logits of every token, evaluated after whatever the reference already holds."""
     start = llm.n_tokens
@@ -160,8 +165,8 @@ def test_stories_greedy_text_matches(reference, stories_path):
 
 
 @pytest.mark.parametrize("path", ["stories", *MODELS])
-def test_batched_prompt_then_decode_matches(synthetic, reference, stories_path, path):
-    path = stories_path if path == "stories" else synthetic(path, "F32")
+def test_batched_prompt_then_decode_matches(request, synthetic, reference, path):
+    path = model_file(request, synthetic, path)
     model = open_model(path, max_batch=4)
     try:
         prompt = model.tokenizer.encode(PROMPT)
@@ -182,11 +187,11 @@ def test_batched_prompt_then_decode_matches(synthetic, reference, stories_path, 
 
 
 @pytest.mark.parametrize("path", ["stories", "llama3", "qwen3"])
-def test_generation_after_a_context_shift_matches(synthetic, reference, stories_path, path):
+def test_generation_after_a_context_shift_matches(request, synthetic, reference, path):
     """Drop positions [keep, keep + discard) in both engines; the logits that follow must agree."""
     import llama_cpp
 
-    path = stories_path if path == "stories" else synthetic(path, "F32")
+    path = model_file(request, synthetic, path)
     keep, discard = 3, 5
     model = open_model(path)
     llm = reference(path)

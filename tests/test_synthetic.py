@@ -5,17 +5,20 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import assets
 import gguf
 import numpy as np
 import pytest
 
-from ollama_engine import paths
 from ollama_engine.fs import GGUFFile
 from ollama_engine.fs.synthetic import PRESETS, resolve_spec, write_synthetic
 
-pytestmark = pytest.mark.skipif(
-    not paths.vocab_dir().is_dir(), reason="llama.cpp's vocab files are not extracted (run build_ggml.py)"
-)
+
+@pytest.fixture(autouse=True)
+def vocab_folder() -> Path:
+    """Synthetic models copy a real tokenizer from llama.cpp's vocab files."""
+    return assets.vocab_dir()
+
 
 ARCHS = ("llama", "qwen2", "qwen3", "bert")
 WEIGHT_TYPES = ("F32", "F16", "Q8_0", "Q4_0")
@@ -148,7 +151,7 @@ def test_reader_sees_expected_tensors_and_keys(model_dir: Path, arch: str, weigh
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tokenizer_keys_are_copied_verbatim(model_dir: Path, arch: str) -> None:
     model = GGUFFile.open(synthetic(model_dir, arch, "Q8_0"))
-    vocab = GGUFFile.open(paths.vocab_dir() / f"ggml-vocab-{resolve_spec(arch).vocab}.gguf")
+    vocab = GGUFFile.open(assets.vocab(resolve_spec(arch).vocab))
     copied = {k: v for k, v in model.metadata.items() if k.startswith("tokenizer.")}
     assert copied == {k: v for k, v in vocab.metadata.items() if k.startswith("tokenizer.")}
     for key in copied:

@@ -13,9 +13,9 @@ import unicodedata
 from pathlib import Path
 from typing import Any
 
+import assets
 import pytest
 
-from ollama_engine.paths import vocab_dir
 from ollama_engine.tokenizer import Tokenizer, from_gguf, from_metadata, read_tokenizer_metadata
 
 # Every vocabulary in llama.cpp's models/ folder with test files and a tokenizer kind we support.
@@ -27,10 +27,7 @@ SEPARATOR = "\n__ggml_vocab_test__\n"
 
 
 def _vocab_path(name: str) -> Path:
-    path = vocab_dir() / f"ggml-vocab-{name}.gguf"
-    if not path.exists():
-        pytest.skip(f"{path} is missing: llama.cpp's models/ folder comes with build_ggml.py's source tree")
-    return path
+    return assets.vocab(name)
 
 
 @functools.cache
