@@ -55,8 +55,10 @@ class Float32(float):
 def _go_float(value: float) -> str:
     if not math.isfinite(value):
         raise ValueError(f"json: unsupported value: {value}")
-    number = np.float32(value) if isinstance(value, Float32) else np.float64(value)
-    if value == 0 or 1e-6 <= abs(value) < 1e21:
+    kind = np.float32 if isinstance(value, Float32) else np.float64
+    number = kind(value)
+    # Go compares in the value's own precision: float32(1e-6) is below 1e-6 as a float64, not as a float32
+    if value == 0 or kind(1e-6) <= abs(number) < kind(1e21):
         return np.format_float_positional(number, unique=True, trim="-")
     return np.format_float_scientific(number, unique=True, trim="-", exp_digits=2).replace("e-0", "e-")
 

@@ -297,6 +297,20 @@ def test_shift_slot_when_cache_cannot_shift():
     assert kv.calls == [("remove", 0, 2, 6), ("remove", 0, 0, TO_END)]
 
 
+def test_shift_slot_when_every_removal_fails():
+    """Go's "cache removal fails" case: its mock fails every Remove, and Go ignores the failure to clear.
+
+    We do not: a cache that can neither shift nor clear a sequence still holds its cells, so the error
+    goes to the caller and the slot keeps the record of what the cache holds.
+    """
+    kv = RecordingKVCache(fail_all=True)
+    cache, slot = shift_cache(kv)
+    with pytest.raises(FakeShiftError):
+        cache.shift_slot(slot, 2)
+    assert kv.calls == [("remove", 0, 2, 6), ("remove", 0, 0, TO_END)]
+    assert tokens_of(slot.inputs) == list(range(1, 11))
+
+
 def test_shift_slot_without_kv_cache_trims_the_record():
     cache, slot = shift_cache(None)
     cache.shift_slot(slot, 2)

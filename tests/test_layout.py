@@ -247,6 +247,19 @@ def test_darwin_drops_offload_larger_than_system_memory() -> None:
     assert create_layout(SYSTEM, gpus, large, False, 0, darwin=True) == GPULayersList()
 
 
+def test_darwin_counts_the_graphs_of_the_gpus_in_use() -> None:
+    """Unified memory: the offloaded layers and the GPU's compute graph together must fit in system memory."""
+    gpus = [gpu("0", 4 * GIB + 512 * MIB, library="Metal")]
+    memory = report(gpus, [300 * MIB] * 3)
+    memory.gpus[0].graph = 124 * MIB  # 900 MiB of layers + 124 MiB: exactly the 1 GiB of RAM
+    assert create_layout(SYSTEM, gpus, memory, False, 0, darwin=True).sum() == 3
+    memory.gpus[0].graph += 1
+    assert create_layout(SYSTEM, gpus, memory, False, 0, darwin=True) == GPULayersList()
+    # the CPU's graph stays in system memory either way: it is not part of the offload
+    memory.gpus[0].graph, memory.cpu.graph = 0, 200 * MIB
+    assert create_layout(SYSTEM, gpus, memory, False, 0, darwin=True).sum() == 3
+
+
 def test_require_full_rejects_cpu_part_over_free_memory() -> None:
     gpus = [gpu("gpu0", 4 * GIB + MIN)]
     memory = report(gpus, [100 * MIB] * 3)
@@ -258,6 +271,8 @@ def test_require_full_rejects_cpu_part_over_free_memory() -> None:
     )
     # Without require_full only free memory plus swap matters.
     assert create_layout(SYSTEM, gpus, memory, False, 0, darwin=False).sum() == 3
+    memory.input_weights = 512 * MIB  # exactly the free memory: that still fits
+    assert create_layout(SYSTEM, gpus, memory, True, 0, darwin=False).sum() == 3
 
 
 def test_require_full_accepts_explicit_num_gpu_when_met() -> None:

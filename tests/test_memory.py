@@ -115,6 +115,8 @@ def test_memory_size_counts_cpu_parts_as_vram_only_on_full_offload() -> None:
     assert memory.memory_size() == (10 + 6 + 30, 30)
     memory.cpu.weights = [0, 0]
     assert memory.memory_size() == (10 + 3 + 30, 30 + 10 + 3)
+    memory.cpu.cache = [0, 5]  # every weight on the GPU, but a layer's KV cache on the CPU: partial offload
+    assert memory.memory_size() == (10 + 8 + 30, 30)
 
 
 def test_minimum_memory() -> None:

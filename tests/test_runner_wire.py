@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import threading
+import time
 
+import numpy as np
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from ollama_engine.ml import DeviceID
+from ollama_engine.ml import device as device_module
+from ollama_engine.ml.device import Device
+from ollama_engine.ml.memory import GIB
 from ollama_engine.runner.inputs import Input
 from ollama_engine.runner.sequence import DoneReason, InputTooLongError, fit_prompt
 from ollama_engine.server.app import LoopInbox, RunnerServer
@@ -31,8 +38,16 @@ from ollama_engine.server.wire import (
     ({"a": 1, "b": [True, None], "c": "x"}, '{"a":1,"b":[true,null],"c":"x"}'),
     ("<a href='x'>&</a>", '"\\u003ca href=\'x\'\\u003e\\u0026\\u003c/a\\u003e"'),
     ("line\nbreak\u2028é", '"line\\nbreak\\u2028é"'),
+    ("para\u2029graph", '"para\\u2029graph"'),
     (0.1, "0.1"),
     (1e-7, "1e-7"),
+    (1e-6, "0.000001"),  # Go's boundary: from 1e-6 on, plain digits
+    (9.999999e-7, "9.999999e-7"),
+    (-1e-6, "-0.000001"),
+    (Float32(1e-6), "0.000001"),
+    (Float32(np.float32(1e-6)), "0.000001"),  # float32(1e-6) is just under 1e-6 in float64, not in float32
+    (Float32(9.9e-7), "9.9e-7"),
+    (1e20, "100000000000000000000"),
     (1e21, "1e+21"),
     (123456789.0, "123456789"),
     (Float32(1 / 3), "0.33333334"),
@@ -68,6 +83,8 @@ def test_completion_lines():
 
 def test_health_line():
     assert encode(health_response(3, 0.5029227)) == b'{"status":3,"progress":0.5029227}\n'
+    # progress is a Go float32: a third has 8 digits, not float64's 16
+    assert encode(health_response(3, 1 / 3)) == b'{"status":3,"progress":0.33333334}\n'
 
 
 # ---------------------------------------------------------------- decoding
@@ -85,6 +102,10 @@ def test_load_request_decoding():
     assert req.multi_user_cache is False and req.lora_path == []
     params = req.params()
     assert params.flash_attention and params.kv_size == 4096 and params.batch_size == 512
+
+    multi_user = LoadRequest.from_json(body.replace(b'"Unknown"', b'"MultiUserCache": true, "Unknown"'))
+    assert multi_user.multi_user_cache is True and multi_user.params().multi_user_cache is True
+    assert not multi_user.same_layout(req)
 
     commit = LoadRequest.from_json(body.replace(b'"operation": 1', b'"operation": 2'))
     assert commit.same_layout(req) and not commit.same_layout(None)
@@ -115,6 +136,10 @@ def test_completion_request_options():
     assert (o.num_predict, o.num_keep, o.stop, o.shift, o.truncate, o.logprobs, o.top_logprobs) == (
         5, 0, ["\n"], True, True, True, 2)
     assert o.sampler.temperature == 0.0 and o.sampler.top_k == 3
+    assert given.grammar == "" and defaults.grammar == ""
+
+    constrained = CompletionRequest.from_json(b'{"Prompt": "x", "Grammar": "root ::= \\"yes\\""}')
+    assert constrained.grammar == 'root ::= "yes"'
 
 
 @pytest.mark.parametrize("body", [b"nope", b'{"Prompt": 1}', b'{"Options": []}', b'{"Options": {"stop": "x"}}',
@@ -140,11 +165,41 @@ def test_health_before_load():
     assert call(RunnerServer(None), "GET", "/health") == (200, "application/json", b'{"status":2,"progress":0}\n')
 
 
-def test_info_lists_gpus_only():
+class FakeDevice(Device):
+    """A ggml device without ggml: half of its memory is free."""
+
+    def free_memory(self) -> int:
+        return self.total_memory // 2
+
+
+FAKE_DEVICES = (
+    FakeDevice(None, "0", "CPU", "CPU", "AMD EPYC", "CPU", 64 * GIB),
+    FakeDevice(None, "GPU-5c8c", "CUDA", "CUDA0", "NVIDIA H100 80GB HBM3", "GPU", 80 * GIB),
+    FakeDevice(None, "0", "Vulkan", "Vulkan0", "AMD Radeon Graphics", "IGPU", 8 * GIB),
+    FakeDevice(None, "0", "BLAS", "BLAS", "OpenBLAS", "ACCEL", 0),
+)
+
+
+def test_info_lists_gpus_only(monkeypatch):
+    monkeypatch.setattr(device_module, "devices", lambda: FAKE_DEVICES)
+    monkeypatch.setenv("OLLAMA_LIBRARY_PATH", os.pathsep.join(["/opt/ollama", "", "/opt/ollama/cuda"]))
     status, content_type, body = call(RunnerServer(None), "GET", "/info")
     assert (status, content_type) == (200, "application/json")
-    for gpu in json.loads(body):
-        assert gpu["id"] and gpu["backend"] and gpu["total_memory"] > 0 and "ComputeMajor" in gpu
+    library_path = ["/opt/ollama", "/opt/ollama/cuda"]
+    assert json.loads(body) == [
+        {"id": "GPU-5c8c", "backend": "CUDA", "name": "CUDA0", "description": "NVIDIA H100 80GB HBM3",
+         "total_memory": 80 * GIB, "free_memory": 40 * GIB, "ComputeMajor": 0, "ComputeMinor": 0,
+         "LibraryPath": library_path},
+        {"id": "0", "backend": "Vulkan", "name": "Vulkan0", "description": "AMD Radeon Graphics", "integration": True,
+         "total_memory": 8 * GIB, "free_memory": 4 * GIB, "ComputeMajor": 0, "ComputeMinor": 0,
+         "LibraryPath": library_path},
+    ]
+
+
+def test_info_on_a_machine_without_gpus_is_an_empty_list(monkeypatch):
+    monkeypatch.setattr(device_module, "devices", lambda: FAKE_DEVICES[:1])
+    monkeypatch.delenv("OLLAMA_LIBRARY_PATH", raising=False)
+    assert call(RunnerServer(None), "GET", "/info") == (200, "application/json", b"[]\n")
 
 
 def test_load_errors():
@@ -168,6 +223,12 @@ def test_bad_completion_is_rejected_before_waiting_for_a_model():
         400, "text/plain; charset=utf-8", b"Bad request\n")
 
 
+def test_completion_with_a_grammar_is_refused_before_waiting_for_a_model():
+    """Grammars are not supported yet: the runner answers as Ollama's does without a vocabulary."""
+    assert call(RunnerServer(None), "POST", "/completion", b'{"Prompt": "x", "Grammar": "root ::= \\"a\\""}') == (
+        500, "text/plain; charset=utf-8", b"failed to load model vocabulary required for format\n")
+
+
 # ---------------------------------------------------------------- prompt truncation
 
 
@@ -189,6 +250,11 @@ def test_fit_prompt(n, num_ctx, num_keep, groups, expected_tokens, expected_keep
     assert len(kept) <= num_ctx
 
 
+def test_fit_prompt_of_exactly_the_context_needs_no_truncation():
+    kept, keep = fit_prompt(inputs(10), 10, 4, truncate=False)
+    assert [inp.token for inp in kept] == list(range(10)) and keep == 4
+
+
 def test_fit_prompt_errors():
     with pytest.raises(InputTooLongError, match="the input length exceeds the context length"):
         fit_prompt(inputs(11), 10, 4, truncate=False)
@@ -200,32 +266,88 @@ def test_fit_prompt_errors():
         fit_prompt(inputs(12, {4: 7}), 10, 4, truncate=True)
 
 
-def test_loop_inbox_wakes_the_event_loop_once_per_burst_and_keeps_the_order():
-    async def run() -> tuple[dict[str, list[int]], int]:
-        loop = asyncio.get_running_loop()
-        wakeups = 0
+class CountingLoop:
+    """Counts the wake-ups that a LoopInbox asks of the running event loop, and checks each one delivers."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.inbox = LoopInbox(loop)
+        self.wakeups = 0
+        self.delivered = 0
+        self.empty_wakeups = 0
         original = loop.call_soon_threadsafe
 
         def counting(callback, *args):
-            nonlocal wakeups
-            wakeups += callback == inbox._drain
-            return original(callback, *args)
+            if callback != self.inbox._drain:
+                return original(callback, *args)
+            self.wakeups += 1
+
+            def drain() -> None:
+                before = self.delivered
+                callback()
+                self.empty_wakeups += self.delivered == before
+
+            return original(drain, *args)
 
         loop.call_soon_threadsafe = counting
-        inbox = LoopInbox(loop)
+
+    def put(self, deliver, item) -> None:
+        def counted(value) -> None:
+            self.delivered += 1
+            deliver(value)
+
+        self.inbox.put(counted, item)
+
+
+def test_loop_inbox_wakes_the_event_loop_once_per_burst_and_keeps_the_order():
+    """A burst queued while the event loop is busy costs one wake-up, and the next burst one more.
+
+    The event loop is held (blocked in join) until the burst is queued: a free loop may drain mid-burst,
+    which is allowed, so only a held loop gives a count that a test can rely on.
+    """
+
+    async def run() -> tuple[dict[str, list[int]], list[int]]:
+        counter = CountingLoop(asyncio.get_running_loop())
         received: dict[str, list[int]] = {"a": [], "b": []}
-        done = asyncio.Event()
+        wakeups = []
+        for start in (0, 10):  # two steps of the batch loop: one piece for each of two sequences, ten times over
+            done = asyncio.Event()
 
-        def burst() -> None:  # a step of the batch loop: one piece for each of two sequences, ten times over
-            for i in range(10):
-                inbox.put(received["a"].append, i)
-                inbox.put(received["b"].append, i)
-            inbox.put(lambda _: done.set(), None)
+            def burst(start: int = start, done: asyncio.Event = done) -> None:
+                for i in range(start, start + 10):
+                    counter.put(received["a"].append, i)
+                    counter.put(received["b"].append, i)
+                counter.put(lambda _: done.set(), None)
 
-        await asyncio.to_thread(burst)  # the loop is waiting for the thread: all of it is one burst
-        await asyncio.wait_for(done.wait(), 5)
+            thread = threading.Thread(target=burst)
+            thread.start()
+            thread.join()  # blocks the event loop: nothing can be drained before the whole burst is queued
+            await asyncio.wait_for(done.wait(), 5)
+            wakeups.append(counter.wakeups)
         return received, wakeups
 
     received, wakeups = asyncio.run(run())
-    assert received == {"a": list(range(10)), "b": list(range(10))}
-    assert wakeups == 1
+    assert received == {"a": list(range(20)), "b": list(range(20))}
+    assert wakeups == [1, 2]
+
+
+def test_loop_inbox_under_contention_keeps_the_order_and_never_wakes_for_nothing():
+    """With the event loop free to drain mid-burst, every item still arrives once, in order."""
+
+    async def run() -> tuple[list[int], CountingLoop]:
+        counter = CountingLoop(asyncio.get_running_loop())
+        received: list[int] = []
+        done = asyncio.Event()
+
+        def burst() -> None:
+            for i in range(2000):
+                counter.put(received.append, i)
+                if i % 100 == 0:
+                    time.sleep(0.001)  # give the event loop a chance to drain in the middle
+            counter.put(lambda _: done.set(), None)
+
+        await asyncio.gather(asyncio.to_thread(burst), asyncio.wait_for(done.wait(), 10))
+        return received, counter
+
+    received, counter = asyncio.run(run())
+    assert received == list(range(2000))
+    assert 1 <= counter.wakeups <= 2001 and counter.empty_wakeups == 0

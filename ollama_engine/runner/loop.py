@@ -283,7 +283,7 @@ class Runner:
             slot = seq.slot
             assert slot is not None
             keep = len(slot.inputs) + 1 - cut.pieces_removed
-            if cut.token_truncated or cut.pieces_removed == 0:
+            if cut.token_truncated:
                 keep -= 1
             del slot.inputs[max(keep, 0):]
             self._remove(index, DoneReason.STOP)
