@@ -1,0 +1,167 @@
+"""Ollama's environment variables, read with Ollama's defaults (envconfig/config.go at f63eea3d).
+
+`serve` reads them once at start-up into an EnvConfig; the scheduler and the API take that object, so tests
+build one directly instead of patching the environment. Durations are float seconds (math.inf: forever).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+log = logging.getLogger(__name__)
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 11434
+DEFAULT_KEEP_ALIVE = 5 * 60.0
+DEFAULT_MAX_QUEUE = 512
+DEFAULT_LOAD_TIMEOUT = 5 * 60.0
+
+_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_PART = re.compile(r"(\d+\.?\d*|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
+
+
+class DurationError(ValueError):
+    """Text that Go's time.ParseDuration rejects (the message is Go's)."""
+
+
+def parse_duration(text: str) -> float:
+    """Go's time.ParseDuration ("5m", "1h30m", "-1.5s", "0"), in seconds."""
+    original, text = text, text.strip()
+    sign = -1.0 if text.startswith("-") else 1.0
+    text = text.lstrip("+-")
+    if text == "0":
+        return 0.0
+    if not text:
+        raise DurationError(f'time: invalid duration "{original}"')
+    total, position = 0.0, 0
+    while position < len(text):
+        match = _PART.match(text, position)
+        if match is None:
+            if re.fullmatch(r"[\d.]+", text[position:]):
+                raise DurationError(f'time: missing unit in duration "{original}"')
+            raise DurationError(f'time: invalid duration "{original}"')
+        total += float(match.group(1)) * _UNITS[match.group(2)]
+        position = match.end()
+    return sign * total
+
+
+def keep_alive_seconds(value: float) -> float:
+    """Ollama's reading of a keep-alive: negative means forever."""
+    return math.inf if value < 0 else value
+
+
+def _var(env: Mapping[str, str], key: str) -> str:
+    """Ollama's envconfig.Var: spaces and quotes trimmed."""
+    return env.get(key, "").strip().strip("\"'").strip()
+
+
+def _uint(env: Mapping[str, str], key: str, default: int) -> int:
+    text = _var(env, key)
+    if not text:
+        return default
+    try:
+        value = int(text)
+        if value < 0:
+            raise ValueError(text)
+        return value
+    except ValueError:
+        log.warning("invalid environment variable, using default key=%s value=%s default=%s", key, text, default)
+        return default
+
+
+def _bool(env: Mapping[str, str], key: str) -> bool | None:
+    """Go's strconv.ParseBool; None when unset, and (as Ollama does) true for unparseable text."""
+    text = _var(env, key)
+    if not text:
+        return None
+    lowered = text.lower()
+    if lowered in ("1", "t", "true"):
+        return True
+    if lowered in ("0", "f", "false"):
+        return False
+    return True
+
+
+def _duration(env: Mapping[str, str], key: str, default: float) -> float:
+    """A Go duration or an integer of seconds; negative is forever."""
+    text = _var(env, key)
+    if not text:
+        return default
+    try:
+        value = parse_duration(text)
+    except DurationError:
+        try:
+            value = float(int(text))
+        except ValueError:
+            log.warning("invalid environment variable, using default key=%s value=%s", key, text)
+            return default
+    return keep_alive_seconds(value)
+
+
+def _host(env: Mapping[str, str]) -> tuple[str, int]:
+    """OLLAMA_HOST: [scheme://]host[:port][/path]; http means port 80 and https 443 when none is given."""
+    text = _var(env, "OLLAMA_HOST")
+    if not text:
+        return DEFAULT_HOST, DEFAULT_PORT
+    scheme, _, rest = text.rpartition("://")
+    default_port = {"http": 80, "https": 443}.get(scheme, DEFAULT_PORT)
+    parts = urlsplit("//" + rest)
+    try:
+        port = parts.port or default_port
+    except ValueError:
+        log.warning("invalid port, using default port=%s default=%s", rest, default_port)
+        port = default_port
+    return parts.hostname or DEFAULT_HOST, port
+
+
+@dataclass
+class EnvConfig:
+    """Every setting serve and the scheduler read from the environment."""
+
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    models: Path = Path.home() / ".ollama" / "models"
+    keep_alive: float = DEFAULT_KEEP_ALIVE
+    max_loaded_models: int = 0  # 0: 3 per GPU (3 without one)
+    num_parallel: int = 1
+    max_queue: int = DEFAULT_MAX_QUEUE
+    load_timeout: float = DEFAULT_LOAD_TIMEOUT  # stall timeout while loading; inf: none
+    context_length: int = 0  # 0: by total VRAM
+    flash_attention: bool | None = None  # None: automatic
+    kv_cache_type: str = ""
+    gpu_overhead: int = 0
+    sched_spread: bool = False
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> EnvConfig:
+        env = os.environ if env is None else env
+        host, port = _host(env)
+        models = _var(env, "OLLAMA_MODELS")
+        load_timeout = _duration(env, "OLLAMA_LOAD_TIMEOUT", DEFAULT_LOAD_TIMEOUT)
+        return cls(
+            host=host,
+            port=port,
+            models=Path(models).expanduser() if models else Path.home() / ".ollama" / "models",
+            keep_alive=_duration(env, "OLLAMA_KEEP_ALIVE", DEFAULT_KEEP_ALIVE),
+            max_loaded_models=_uint(env, "OLLAMA_MAX_LOADED_MODELS", 0),
+            num_parallel=max(_uint(env, "OLLAMA_NUM_PARALLEL", 1), 1),
+            max_queue=_uint(env, "OLLAMA_MAX_QUEUE", DEFAULT_MAX_QUEUE),
+            load_timeout=math.inf if load_timeout <= 0 else load_timeout,
+            context_length=_uint(env, "OLLAMA_CONTEXT_LENGTH", 0),
+            flash_attention=_bool(env, "OLLAMA_FLASH_ATTENTION"),
+            kv_cache_type=_var(env, "OLLAMA_KV_CACHE_TYPE").lower(),
+            gpu_overhead=_uint(env, "OLLAMA_GPU_OVERHEAD", 0),
+            sched_spread=bool(_bool(env, "OLLAMA_SCHED_SPREAD")),
+        )
+
+    @property
+    def base_url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"

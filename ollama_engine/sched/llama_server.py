@@ -1,0 +1,178 @@
+"""The scheduler's view of one real runner subprocess (Ollama's llm.LlamaServer), on top of ollama_engine.llm.
+
+Blocking parts of the parent side (the fit → alloc → commit loop, waiting for the weights) run in worker
+threads; completions stream over aiohttp so that a client going away closes the runner connection too.
+A thread waits on the process so that a crash is noticed at once, not at the next request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import Any
+
+import aiohttp
+
+from ollama_engine.envconfig import EnvConfig
+from ollama_engine.llm.load import LoadOptions, load
+from ollama_engine.llm.runner_handle import RunnerError, RunnerHandle, visible_devices_env
+from ollama_engine.ml.memory import BackendMemory, DeviceID, DeviceInfo, SystemInfo
+from ollama_engine.server.wire import ServerStatus
+
+from .types import RUNNER_STOPPED, ModelInfo, Options, RunnerFailedError, StatusError
+
+log = logging.getLogger(__name__)
+
+
+class _Recorder:
+    """The load loop's target: the runner, remembering the last memory report (size-aware eviction uses it)."""
+
+    def __init__(self, server: LlamaServer) -> None:
+        self.server = server
+
+    def load(self, request: dict[str, Any]) -> tuple[bool, BackendMemory]:
+        success, memory = self.server.handle.load(request)
+        self.server.memory = memory
+        return success, memory
+
+
+class LlamaServer:
+    """One `ollama-engine runner` process serving one model."""
+
+    def __init__(
+        self, handle: RunnerHandle, model_path: str, info: ModelInfo, options: Options, num_parallel: int,
+        config: EnvConfig,
+    ) -> None:
+        self.handle = handle
+        self.model_path = model_path
+        self.info = info
+        self.options = options
+        self.num_parallel = num_parallel
+        self.config = config
+        self.memory = BackendMemory()
+        self._exit_callbacks: list[Callable[[], None]] = []
+        self._loop = asyncio.get_running_loop()
+        self._closed = False
+        threading.Thread(target=self._watch, name=f"runner-{handle.process.pid}", daemon=True).start()
+
+    @classmethod
+    def start(
+        cls, model_path: str, info: ModelInfo, gpus: Sequence[DeviceInfo], adapters: list[str], projectors: list[str],
+        options: Options, num_parallel: int, config: EnvConfig,
+    ) -> LlamaServer:
+        if adapters:
+            raise RunnerError("this engine does not support LoRA adapters yet")
+        if projectors:
+            raise RunnerError("this engine does not support vision projectors yet")
+        handle = RunnerHandle.start(model_path, env=visible_devices_env(gpus))
+        return cls(handle, model_path, info, options, num_parallel, config)
+
+    # ------------------------------------------------------------ process
+
+    def _watch(self) -> None:
+        self.handle.process.wait()
+        try:
+            self._loop.call_soon_threadsafe(self._exited)
+        except RuntimeError:  # the event loop is gone (shutdown)
+            pass
+
+    def _exited(self) -> None:
+        if not self._closed:
+            log.debug("runner process exited pid=%d code=%s", self.pid(), self.handle.process.returncode)
+        for callback in self._exit_callbacks:
+            callback()
+
+    def add_exit_callback(self, callback: Callable[[], None]) -> None:
+        self._exit_callbacks.append(callback)
+
+    def pid(self) -> int:
+        return self.handle.process.pid
+
+    def has_exited(self) -> bool:
+        return self.handle.exited()
+
+    def exit_reason(self) -> str:
+        return self.handle.exit_reason()
+
+    def close(self) -> None:
+        """Kill the runner and reap it."""
+        self._closed = True
+        self.handle.close()
+
+    # ------------------------------------------------------------ loading
+
+    def _load_options(self) -> LoadOptions:
+        flash = {None: -1, True: 1, False: 0}[self.config.flash_attention]
+        assert self.options.num_ctx is not None and self.options.num_batch is not None
+        return LoadOptions(
+            num_ctx=self.options.num_ctx, parallel=self.num_parallel,
+            batch_size=self.options.num_ctx if self.info.embedding else self.options.num_batch,
+            num_gpu=self.options.num_gpu if self.options.num_gpu is not None else -1,
+            num_threads=self.options.num_thread or 0, flash_attention=flash,
+            kv_cache_type=self.config.kv_cache_type, gpu_overhead=self.config.gpu_overhead,
+            sched_spread=self.config.sched_spread,
+        )
+
+    async def load(self, system_info: SystemInfo, gpus: Sequence[DeviceInfo], require_full: bool) -> list[DeviceID]:
+        """fit → alloc → commit; raises LoadRequiredFullError when require_full and it does not fit."""
+        await asyncio.to_thread(self.handle.wait_launched)
+        result = await asyncio.to_thread(
+            load, _Recorder(self), system_info, gpus, self.info.block_count + 1, self._load_options(), require_full
+        )
+        self.memory = result.memory
+        return result.device_ids()
+
+    async def wait_until_running(self) -> None:
+        await asyncio.to_thread(self.handle.wait_until_running, self.config.load_timeout)
+
+    def memory_size(self) -> tuple[int, int]:
+        return self.memory.memory_size()
+
+    def vram_by_gpu(self, device_id: DeviceID) -> int:
+        return sum(gpu.size() for gpu in self.memory.gpus if gpu.device_id == device_id)
+
+    def context_length(self) -> int:
+        return self.options.num_ctx or 0
+
+    # ------------------------------------------------------------ HTTP
+
+    @property
+    def _url(self) -> str:
+        return f"http://127.0.0.1:{self.handle.port}"
+
+    def _stopped(self) -> RunnerFailedError:
+        return RunnerFailedError(f"llama runner process no longer running: {self.exit_reason()}")
+
+    async def ping(self) -> None:
+        """Raise unless the runner answers /health with a healthy status."""
+        if self.has_exited():
+            raise self._stopped()
+        async with aiohttp.ClientSession() as session, session.get(
+            self._url + "/health", timeout=aiohttp.ClientTimeout(total=10)
+        ) as response:
+            data = await response.json(content_type=None)
+        if response.status != 200 or ServerStatus(data["status"]) in (ServerStatus.ERROR,):
+            raise RunnerFailedError(f"runner status {data!r}")
+
+    async def completion(self, prompt: str, options: Mapping[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Stream /completion; a runner that dies mid-stream raises RunnerFailedError with its last words."""
+        body = {"Prompt": prompt, "Options": dict(options), "Shift": True, "Truncate": True}
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+        try:
+            async with aiohttp.ClientSession(timeout=timeout) as session, session.post(
+                self._url + "/completion", data=json.dumps(body)
+            ) as response:
+                if response.status != 200:
+                    raise StatusError(response.status, (await response.text()).strip())
+                async for line in response.content:
+                    if line.strip():
+                        yield json.loads(line)
+        except aiohttp.ClientConnectorError as err:
+            raise RunnerFailedError(RUNNER_STOPPED) from err
+        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as err:
+            await asyncio.sleep(0.05)  # let the exit be noticed, so the message says why
+            reason = self.exit_reason() if self.has_exited() else str(err)
+            raise RunnerFailedError(f"an error was encountered while running the model: {reason}") from err
