@@ -1,0 +1,1 @@
+"""`ollama-engine serve`: Ollama's HTTP API on the scheduler."""

@@ -1,0 +1,334 @@
+"""Ollama's native routes that drive the scheduler: /api/generate, /api/ps, /api/version, and /api/stop.
+
+Bodies, status codes and error texts follow Ollama (reference §3.1, §3.2). Streams are NDJSON by default;
+an error before the first byte has its real status, after it one `{"error": ...}` line ends the stream.
+Each handler holds its scheduler reference in a Context that it cancels when it ends or its client goes away
+(aiohttp cancels the handler then), which is how the scheduler learns that the request finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from aiohttp import web
+
+from ollama_engine.envconfig import DurationError, keep_alive_seconds, parse_duration
+from ollama_engine.sched import (
+    Context,
+    Model,
+    Options,
+    RunnerFailedError,
+    RunnerRef,
+    Scheduler,
+    ServerBusyError,
+    StatusError,
+)
+from ollama_engine.sched.types import RUNNER_OPTIONS
+from ollama_engine.server.wire import encode
+
+from .models import ModelNotFoundError
+
+log = logging.getLogger(__name__)
+
+Resolver = Callable[[str], Model]
+
+# api.DefaultOptions() (HEAD) for what the runner samples with; the runner reads absent keys as zero.
+SAMPLING_DEFAULTS: dict[str, Any] = {
+    "num_predict": -1, "num_keep": 4, "temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.0,
+    "typical_p": 1.0, "repeat_last_n": 64, "repeat_penalty": 1.0, "presence_penalty": 0.0,
+    "frequency_penalty": 0.0, "seed": -1,
+}
+_INT_OPTIONS = {"num_predict", "num_keep", "top_k", "repeat_last_n", "seed", "num_ctx", "num_batch", "num_gpu",
+                "main_gpu", "num_thread"}
+_FLOAT_OPTIONS = {"temperature", "top_p", "min_p", "typical_p", "repeat_penalty", "presence_penalty",
+                  "frequency_penalty"}
+DONE_REASONS = {0: "stop", 1: "length", 2: "connection_closed"}
+RETRY_AFTER_SECONDS = 1
+NDJSON = "application/x-ndjson"
+
+
+class ApiError(Exception):
+    """An error response: Ollama's {"error": message} with its status."""
+
+    def __init__(self, status: int, message: str, headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.headers = dict(headers or {})
+
+    def response(self) -> web.Response:
+        return json_response({"error": str(self)}, status=self.status, headers=self.headers)
+
+
+def json_response(value: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> web.Response:
+    return web.Response(body=encode(value), status=status, headers=headers,
+                        content_type="application/json", charset="utf-8")
+
+
+def created_at(now_ns: int | None = None) -> str:
+    """RFC 3339 in UTC with nanoseconds, trailing zeros trimmed (Go's RFC3339Nano)."""
+    now_ns = time.time_ns() if now_ns is None else now_ns
+    seconds, nanos = divmod(now_ns, 1_000_000_000)
+    stamp = datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S")
+    fraction = f"{nanos:09d}".rstrip("0")
+    return f"{stamp}.{fraction}Z" if fraction else f"{stamp}Z"
+
+
+def _time_at(when: float) -> str:
+    """A wall-clock time for expires_at; "forever" saturates like Go's (about 292 years ahead)."""
+    if math.isinf(when):
+        return (datetime.now(timezone.utc).astimezone() + timedelta(days=292 * 365)).isoformat()
+    return datetime.fromtimestamp(when, timezone.utc).astimezone().isoformat()
+
+
+async def read_json(request: web.Request) -> dict[str, Any]:
+    body = await request.read()
+    if not body.strip():
+        raise ApiError(400, "missing request body")
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ApiError(400, str(err)) from err
+    if not isinstance(data, dict):
+        raise ApiError(400, f"json: cannot unmarshal {type(data).__name__} into Go value of type api.GenerateRequest")
+    return data
+
+
+def parse_keep_alive(value: Any) -> float | None:
+    """api.Duration: a number is seconds, a string a Go duration; negative is forever; None: not given."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ApiError(400, "json: cannot unmarshal bool into Go value of type api.Duration")
+    if isinstance(value, (int, float)):
+        return keep_alive_seconds(float(value))
+    if isinstance(value, str):
+        try:
+            return keep_alive_seconds(parse_duration(value))
+        except DurationError as err:
+            raise ApiError(400, str(err)) from err
+    raise ApiError(400, "json: unsupported type for api.Duration")
+
+
+def split_options(options: Any) -> tuple[Options, dict[str, Any]]:
+    """(runner options the request gives, sampling options for the runner with Ollama's defaults)."""
+    if options is None:
+        options = {}
+    if not isinstance(options, dict):
+        raise ApiError(400, "json: cannot unmarshal options into Go value of type map[string]interface {}")
+    for key, value in options.items():
+        if value is None:
+            continue
+        if key in _INT_OPTIONS and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                    or int(value) != value):
+            raise ApiError(400, f'option "{key}" must be of type integer')
+        if key in _FLOAT_OPTIONS and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ApiError(400, f'option "{key}" must be of type float')
+        if key == "use_mmap" and not isinstance(value, bool):
+            raise ApiError(400, f'option "{key}" must be of type boolean')
+        if key == "stop" and not (isinstance(value, list) and all(isinstance(s, str) for s in value)):
+            raise ApiError(400, f'option "{key}" must be of type array')
+    clean = {key: (int(value) if key in _INT_OPTIONS else value) for key, value in options.items()
+             if value is not None}
+    sampling = {**SAMPLING_DEFAULTS, **{k: v for k, v in clean.items() if k not in RUNNER_OPTIONS}}
+    return Options.from_request(clean), sampling
+
+
+async def schedule(scheduler: Scheduler, ctx: Context, model: Model, opts: Options,
+                   keep_alive: float | None) -> RunnerRef:
+    """A ready runner for the request, or the ApiError Ollama's handleScheduleError would answer."""
+    req = await scheduler.get_runner(ctx, model, opts, keep_alive)
+    try:
+        # shielded: a client that goes away must not cancel a load that others may attach to
+        return await asyncio.shield(req.future)
+    except ServerBusyError as err:
+        raise ApiError(503, str(err), {"Retry-After": str(err.retry_after)}) from err
+    except FileNotFoundError as err:
+        raise ApiError(404, f'model "{model.name}" not found, try pulling it first') from err
+    except StatusError as err:
+        raise ApiError(err.status, str(err)) from err
+    except Exception as err:
+        raise ApiError(500, str(err) or type(err).__name__) from err
+
+
+class NativeRoutes:
+    """The handlers, bound to one scheduler and one model resolver."""
+
+    def __init__(self, scheduler: Scheduler, resolve: Resolver) -> None:
+        self.scheduler = scheduler
+        self.resolve = resolve
+
+    def _model(self, body: Mapping[str, Any]) -> tuple[str, Model]:
+        name = body.get("model")
+        if name is None:
+            name = body.get("name", "")
+        if not isinstance(name, str):
+            raise ApiError(400, "json: cannot unmarshal model into Go struct field of type string")
+        try:
+            return name, self.resolve(name)
+        except ModelNotFoundError as err:
+            raise ApiError(404, f"model '{name}' not found") from err
+
+    async def root(self, request: web.Request) -> web.Response:
+        return web.Response(text="Ollama is running")
+
+    async def version(self, request: web.Request) -> web.Response:
+        try:
+            version = importlib.metadata.version("ollama-engine")
+        except importlib.metadata.PackageNotFoundError:
+            version = "0.0.0"
+        return json_response({"version": version})
+
+    async def ps(self, request: web.Request) -> web.Response:
+        now = time.time()
+        rows = []
+        for runner in self.scheduler.loaded_models():
+            if runner.model is None:
+                continue
+            expires = runner.expires_at
+            if expires is None or runner.loading or runner.ref_count > 0:
+                expires = now + runner.session_duration
+            arch = runner.info.architecture if runner.info is not None else ""
+            rows.append((expires, {
+                "name": runner.model.name, "model": runner.model.name, "size": runner.total_size,
+                "size_vram": runner.vram_size, "digest": runner.model.digest,
+                "details": {"parent_model": "", "format": "gguf", "family": arch, "families": [arch] if arch else None,
+                            "parameter_size": "", "quantization_level": ""},
+                "expires_at": _time_at(expires),
+                "context_length": runner.options.num_ctx if runner.options is not None else 0,
+                "state": runner.state, "in_flight": runner.active, "queue_depth": self.scheduler.queue_depth(runner),
+            }))
+        rows.sort(key=lambda row: row[0], reverse=True)
+        return json_response({"models": [row for _, row in rows]})
+
+    async def stop(self, request: web.Request) -> web.Response:
+        """Our extension: unload a model now; `force` also fails its in-flight requests."""
+        try:
+            body = await read_json(request)
+            name, model = self._model(body)
+        except ApiError as err:
+            return err.response()
+        stopped = self.scheduler.expire_runner(model, force=bool(body.get("force")))
+        return json_response({"model": name, "stopped": stopped})
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        start = time.monotonic()
+        ctx = Context()
+        try:
+            body = await read_json(request)
+            name, model = self._model(body)
+            if body.get("raw") and (body.get("template") or body.get("system") or body.get("context")):
+                raise ApiError(400, "raw mode does not support template, system, or context")
+            keep_alive = parse_keep_alive(body.get("keep_alive"))
+            opts, sampling = split_options(body.get("options"))
+            prompt = body.get("prompt") or ""
+            if not isinstance(prompt, str):
+                raise ApiError(400, "json: cannot unmarshal prompt into Go struct field of type string")
+            if not prompt and keep_alive == 0:
+                self.scheduler.expire_runner(model)
+                return json_response({"model": name, "created_at": created_at(), "response": "", "done": True,
+                                      "done_reason": "unload"})
+            runner = await schedule(self.scheduler, ctx, model, opts, keep_alive)
+            if not prompt:
+                return json_response({"model": name, "created_at": created_at(), "response": "", "done": True,
+                                      "done_reason": "load"})
+            num_ctx = runner.options.num_ctx if runner.options is not None and runner.options.num_ctx else 2048
+            if sampling["num_predict"] < 0 or sampling["num_predict"] > 10 * num_ctx:
+                sampling["num_predict"] = 10 * num_ctx  # Ollama's cap on runaway generations
+            load_duration = time.monotonic() - start
+            stream = body.get("stream") is not False
+            return await self._complete(request, runner, name, prompt, sampling, stream, start, load_duration)
+        except ApiError as err:
+            return err.response()
+        finally:
+            ctx.cancel()
+
+    async def _complete(
+        self, request: web.Request, runner: RunnerRef, name: str, prompt: str, sampling: dict[str, Any],
+        stream: bool, start: float, load_duration: float,
+    ) -> web.StreamResponse:
+        await runner.acquire_slot()
+        try:
+            assert runner.llama is not None
+            if runner.failure:
+                raise ApiError(500, runner.failure)
+            chunks = runner.llama.completion(prompt, sampling).__aiter__()
+            try:
+                first = await chunks.__anext__()  # errors before the first byte keep their status
+            except StopAsyncIteration:
+                raise ApiError(500, runner.failure or "runner ended the stream without a result") from None
+            except StatusError as err:
+                raise ApiError(err.status, str(err)) from err
+            except RunnerFailedError as err:
+                raise ApiError(500, runner.failure or str(err)) from err
+
+            if not stream:
+                return await self._collect(runner, name, first, chunks, start, load_duration)
+            response = web.StreamResponse(headers={"Content-Type": NDJSON})
+            await response.prepare(request)
+            chunk: dict[str, Any] | None = first
+            try:
+                while chunk is not None:
+                    if chunk.get("done"):
+                        await response.write(encode(self._final(name, chunk, start, load_duration)))
+                        break
+                    if chunk.get("content"):
+                        await response.write(encode({"model": name, "created_at": created_at(),
+                                                     "response": chunk["content"], "done": False}))
+                    chunk = await anext(chunks, None)
+                else:
+                    await response.write(encode({"error": runner.failure or "runner ended the stream early"}))
+            except (RunnerFailedError, StatusError) as err:
+                log.warning("generation failed model=%s error=%s", name, runner.failure or err)
+                await response.write(encode({"error": runner.failure or str(err)}))
+            except ConnectionResetError:
+                log.debug("client went away during a generation model=%s", name)
+            return response
+        finally:
+            runner.release_slot()
+
+    async def _collect(self, runner: RunnerRef, name: str, first: dict[str, Any], chunks: Any, start: float,
+                       load_duration: float) -> web.Response:
+        """stream: false: one object with the whole response."""
+        text: list[str] = []
+        chunk: dict[str, Any] | None = first
+        try:
+            while chunk is not None and not chunk.get("done"):
+                text.append(chunk.get("content", ""))
+                chunk = await anext(chunks, None)
+        except StatusError as err:
+            raise ApiError(err.status, str(err)) from err
+        except RunnerFailedError as err:
+            raise ApiError(500, runner.failure or str(err)) from err
+        if chunk is None:
+            raise ApiError(500, runner.failure or "runner ended the stream early")
+        final = self._final(name, chunk, start, load_duration)
+        final["response"] = "".join(text)
+        return json_response(final)
+
+    def _final(self, name: str, chunk: Mapping[str, Any], start: float, load_duration: float) -> dict[str, Any]:
+        return {
+            "model": name, "created_at": created_at(), "response": "", "done": True,
+            "done_reason": DONE_REASONS.get(chunk.get("done_reason", 0), "stop"),
+            "total_duration": round((time.monotonic() - start) * 1e9), "load_duration": round(load_duration * 1e9),
+            "prompt_eval_count": chunk.get("prompt_eval_count", 0),
+            "prompt_eval_duration": chunk.get("prompt_eval_duration", 0),
+            "eval_count": chunk.get("eval_count", 0), "eval_duration": chunk.get("eval_duration", 0),
+        }
+
+
+def native_routes(app: web.Application, scheduler: Scheduler, resolve: Resolver) -> None:
+    """Register the scheduler-facing native routes on `app`."""
+    routes = NativeRoutes(scheduler, resolve)
+    app.router.add_get("/", routes.root)  # GET also answers HEAD
+    app.router.add_get("/api/version", routes.version)
+    app.router.add_get("/api/ps", routes.ps)
+    app.router.add_post("/api/generate", routes.generate)
+    app.router.add_post("/api/stop", routes.stop)

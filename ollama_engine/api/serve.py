@@ -1,0 +1,62 @@
+"""`ollama-engine serve`: one aiohttp process with the scheduler and Ollama's HTTP API.
+
+The app factory only wires things: each module of this package registers its own routes on the app
+(`native_routes(app, scheduler, resolve)`), all on one scheduler and one model-name resolver. Shutting the app
+down (SIGINT, SIGTERM) stops every runner subprocess.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from aiohttp import web
+
+from ollama_engine.envconfig import EnvConfig
+from ollama_engine.sched import Model, Scheduler
+from ollama_engine.sched.devices import GpuDiscovery
+
+from .models import resolve_model
+from .native import native_routes
+
+log = logging.getLogger(__name__)
+
+SCHEDULER = web.AppKey("scheduler", Scheduler)
+CONFIG = web.AppKey("config", EnvConfig)
+MAX_BODY = 1 << 30
+SHUTDOWN_TIMEOUT = 5.0  # seconds for in-flight handlers once the runners are gone
+
+
+def create_app(config: EnvConfig | None = None, scheduler: Scheduler | None = None) -> web.Application:
+    """The serve application; pass a scheduler to use one built with other seams (tests)."""
+    config = config or EnvConfig.from_env()
+    scheduler = scheduler or Scheduler(config, get_gpu_fn=GpuDiscovery())
+    models: Path = config.models
+
+    def resolve(name: str) -> Model:
+        return resolve_model(name, models)
+
+    app = web.Application(client_max_size=MAX_BODY)
+    app[SCHEDULER] = scheduler
+    app[CONFIG] = config
+    native_routes(app, scheduler, resolve)
+
+    async def start(app: web.Application) -> None:
+        scheduler.run()
+
+    async def stop(app: web.Application) -> None:
+        log.info("shutting down: stopping every runner")
+        await scheduler.shutdown()
+
+    app.on_startup.append(start)
+    app.on_shutdown.append(stop)
+    return app
+
+
+def serve(config: EnvConfig) -> None:
+    """Serve until SIGINT or SIGTERM."""
+    log.info("listening on %s:%d", config.host, config.port)
+    web.run_app(
+        create_app(config), host=config.host, port=config.port, handler_cancellation=True,
+        shutdown_timeout=SHUTDOWN_TIMEOUT, print=None, access_log=None,
+    )
