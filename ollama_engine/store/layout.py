@@ -32,7 +32,7 @@ MEDIA_PARAMS = "application/vnd.ollama.image.params"
 MEDIA_MESSAGES = "application/vnd.ollama.image.messages"
 MEDIA_LICENSE = "application/vnd.ollama.image.license"
 
-DIGEST_RE = re.compile(r"^sha256[:-][0-9a-fA-F]{64}$")
+DIGEST_RE = re.compile(r"sha256[:-][0-9a-fA-F]{64}")  # used with fullmatch
 _CHUNK = 1 << 20
 
 
@@ -73,7 +73,7 @@ class BlobNotFound(NotFound):
 
 def check_digest(digest: str) -> str:
     """The digest in `sha256:<hex>` form (lower-case hex); InvalidDigest unless `^sha256[:-][0-9a-fA-F]{64}$`."""
-    if not isinstance(digest, str) or not DIGEST_RE.match(digest):
+    if not isinstance(digest, str) or not DIGEST_RE.fullmatch(digest):
         raise InvalidDigest()
     return "sha256:" + digest[7:].lower()
 

@@ -311,7 +311,7 @@ class Store:
         protected = {check_digest(d) for d in keep}
         candidates = []
         for path in self.blobs_dir.iterdir():
-            if path.is_file() and layout.DIGEST_RE.match(path.name):
+            if path.is_file() and layout.DIGEST_RE.fullmatch(path.name):
                 digest = check_digest(path.name)
                 if digest not in protected:
                     candidates.append(digest)
