@@ -16,7 +16,7 @@ from ollama_engine.paths import REPO_ROOT
 LAYERS = [
     "ollama_engine.ggml", "ollama_engine.fs", "ollama_engine.ml", "ollama_engine.tokenizer",
     "ollama_engine.kvcache", "ollama_engine.models", "ollama_engine.sample", "ollama_engine.runner",
-    "ollama_engine.server", "ollama_engine.llm", "ollama_engine.sched",
+    "ollama_engine.server", "ollama_engine.llm", "ollama_engine.template", "ollama_engine.store", "ollama_engine.sched",
 ]
 FOLDERS = {"models": "ollama_engine.models", "kvcache": "ollama_engine.kvcache", "server": "ollama_engine.server"}
 SHARED = {"ollama_engine.paths", "ollama_engine.ml.memory"}  # plain data, importable from anywhere
@@ -55,6 +55,23 @@ def test_lower_layers_never_import_higher_ones():
             theirs = rank(target)
             if own is not None and theirs is not None and theirs > own and target not in SHARED:
                 problems.append(f"{path}: {module} imports higher layer {target}")
+    assert not problems, "\n".join(problems)
+
+
+# store and template are pure Python beside the engine: they read GGUF metadata and vocabularies only.
+PURE = {"ollama_engine.store": ("ollama_engine.fs", "ollama_engine.tokenizer", "ollama_engine.template",
+                                "ollama_engine.store"),
+        "ollama_engine.template": ("ollama_engine.fs", "ollama_engine.tokenizer", "ollama_engine.template")}
+
+
+def test_store_and_template_use_only_fs_tokenizer_and_each_other():
+    problems = []
+    for module, path in source_modules():
+        allowed = next((a for package, a in PURE.items() if module == package or module.startswith(package + ".")),
+                       None)
+        for target in imports(path) if allowed is not None else ():
+            if target.startswith("ollama_engine") and not target.startswith(allowed) and target not in SHARED:
+                problems.append(f"{path}: {module} imports {target}")
     assert not problems, "\n".join(problems)
 
 
