@@ -175,7 +175,7 @@ class Store:
         """Parse, validate and find a model by name (case-insensitive); InvalidName or ModelNotFound."""
         name = parse_name(model)
         if not name.is_valid():
-            raise InvalidName(f"name {model!r} is invalid".replace("'", '"'))
+            raise InvalidName(f'name "{model}" is invalid')
         name = self.existing_name(name)
         return name, self.read_manifest(name)
 
