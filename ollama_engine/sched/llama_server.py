@@ -157,9 +157,12 @@ class LlamaServer:
         if response.status != 200 or ServerStatus(data["status"]) in (ServerStatus.ERROR,):
             raise RunnerFailedError(f"runner status {data!r}")
 
-    async def completion(self, prompt: str, options: Mapping[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """Stream /completion; a runner that dies mid-stream raises RunnerFailedError with its last words."""
-        body = {"Prompt": prompt, "Options": dict(options), "Shift": True, "Truncate": True}
+    async def completion(
+        self, prompt: str, options: Mapping[str, Any], extra: Mapping[str, Any] | None = None
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Stream /completion; a runner that dies mid-stream raises RunnerFailedError with its last words.
+        `extra`: more llm.CompletionRequest fields (Logprobs, TopLogprobs, Shift, Truncate)."""
+        body = {"Prompt": prompt, "Options": dict(options), "Shift": True, "Truncate": True, **(extra or {})}
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
         try:
             async with aiohttp.ClientSession(timeout=timeout) as session, session.post(
@@ -174,5 +177,23 @@ class LlamaServer:
             raise RunnerFailedError(RUNNER_STOPPED) from err
         except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as err:
             await asyncio.sleep(0.05)  # let the exit be noticed, so the message says why
+            reason = self.exit_reason() if self.has_exited() else str(err)
+            raise RunnerFailedError(f"an error was encountered while running the model: {reason}") from err
+
+    async def embedding(self, content: str) -> dict[str, Any]:
+        """POST /embedding: {"embedding": [...], "prompt_eval_count": n}; the runner's HTTP errors as StatusError."""
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+        try:
+            async with aiohttp.ClientSession(timeout=timeout) as session, session.post(
+                self._url + "/embedding", data=json.dumps({"content": content})
+            ) as response:
+                if response.status != 200:
+                    raise StatusError(response.status, (await response.text()).strip())
+                result: dict[str, Any] = await response.json(content_type=None)
+                return result
+        except aiohttp.ClientConnectorError as err:
+            raise RunnerFailedError(RUNNER_STOPPED) from err
+        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as err:
+            await asyncio.sleep(0.05)
             reason = self.exit_reason() if self.has_exited() else str(err)
             raise RunnerFailedError(f"an error was encountered while running the model: {reason}") from err
