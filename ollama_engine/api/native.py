@@ -1,4 +1,5 @@
-"""Ollama's native routes that drive the scheduler: /api/generate, /api/ps, /api/version, and /api/stop.
+"""Ollama's native routes on the scheduler alone: /, /api/ps, /api/version and /api/stop, and the helpers every
+route shares (errors, JSON bodies, keep_alive, options, scheduling). /api/generate and /api/chat are in chat.py.
 
 Bodies, status codes and error texts follow Ollama (reference §3.1, §3.2). Streams are NDJSON by default;
 an error before the first byte has its real status, after it one `{"error": ...}` line ends the stream.
@@ -25,7 +26,6 @@ from ollama_engine.sched import (
     Context,
     Model,
     Options,
-    RunnerFailedError,
     RunnerRef,
     Scheduler,
     ServerBusyError,
@@ -218,111 +218,6 @@ class NativeRoutes:
         stopped = self.scheduler.expire_runner(model, force=bool(body.get("force")))
         return json_response({"model": name, "stopped": stopped})
 
-    async def generate(self, request: web.Request) -> web.StreamResponse:
-        start = time.monotonic()
-        ctx = Context()
-        try:
-            body = await read_json(request)
-            name, model = self._model(body)
-            if body.get("raw") and (body.get("template") or body.get("system") or body.get("context")):
-                raise ApiError(400, "raw mode does not support template, system, or context")
-            keep_alive = parse_keep_alive(body.get("keep_alive"))
-            opts, sampling = split_options(body.get("options"))
-            prompt = body.get("prompt") or ""
-            if not isinstance(prompt, str):
-                raise ApiError(400, "json: cannot unmarshal prompt into Go struct field of type string")
-            if not prompt and keep_alive == 0:
-                self.scheduler.expire_runner(model)
-                return json_response({"model": name, "created_at": created_at(), "response": "", "done": True,
-                                      "done_reason": "unload"})
-            runner = await schedule(self.scheduler, ctx, model, opts, keep_alive)
-            if not prompt:
-                return json_response({"model": name, "created_at": created_at(), "response": "", "done": True,
-                                      "done_reason": "load"})
-            num_ctx = runner.options.num_ctx if runner.options is not None and runner.options.num_ctx else 2048
-            if sampling["num_predict"] < 0 or sampling["num_predict"] > 10 * num_ctx:
-                sampling["num_predict"] = 10 * num_ctx  # Ollama's cap on runaway generations
-            load_duration = time.monotonic() - start
-            stream = body.get("stream") is not False
-            return await self._complete(request, runner, name, prompt, sampling, stream, start, load_duration)
-        except ApiError as err:
-            return err.response()
-        finally:
-            ctx.cancel()
-
-    async def _complete(
-        self, request: web.Request, runner: RunnerRef, name: str, prompt: str, sampling: dict[str, Any],
-        stream: bool, start: float, load_duration: float,
-    ) -> web.StreamResponse:
-        await runner.acquire_slot()
-        try:
-            assert runner.llama is not None
-            if runner.failure:
-                raise ApiError(500, runner.failure)
-            chunks = runner.llama.completion(prompt, sampling).__aiter__()
-            try:
-                first = await chunks.__anext__()  # errors before the first byte keep their status
-            except StopAsyncIteration:
-                raise ApiError(500, runner.failure or "runner ended the stream without a result") from None
-            except StatusError as err:
-                raise ApiError(err.status, str(err)) from err
-            except RunnerFailedError as err:
-                raise ApiError(500, runner.failure or str(err)) from err
-
-            if not stream:
-                return await self._collect(runner, name, first, chunks, start, load_duration)
-            response = web.StreamResponse(headers={"Content-Type": NDJSON})
-            await response.prepare(request)
-            chunk: dict[str, Any] | None = first
-            try:
-                while chunk is not None:
-                    if chunk.get("done"):
-                        await response.write(encode(self._final(name, chunk, start, load_duration)))
-                        break
-                    if chunk.get("content"):
-                        await response.write(encode({"model": name, "created_at": created_at(),
-                                                     "response": chunk["content"], "done": False}))
-                    chunk = await anext(chunks, None)
-                else:
-                    await response.write(encode({"error": runner.failure or "runner ended the stream early"}))
-            except (RunnerFailedError, StatusError) as err:
-                log.warning("generation failed model=%s error=%s", name, runner.failure or err)
-                await response.write(encode({"error": runner.failure or str(err)}))
-            except ConnectionResetError:
-                log.debug("client went away during a generation model=%s", name)
-            return response
-        finally:
-            runner.release_slot()
-
-    async def _collect(self, runner: RunnerRef, name: str, first: dict[str, Any], chunks: Any, start: float,
-                       load_duration: float) -> web.Response:
-        """stream: false: one object with the whole response."""
-        text: list[str] = []
-        chunk: dict[str, Any] | None = first
-        try:
-            while chunk is not None and not chunk.get("done"):
-                text.append(chunk.get("content", ""))
-                chunk = await anext(chunks, None)
-        except StatusError as err:
-            raise ApiError(err.status, str(err)) from err
-        except RunnerFailedError as err:
-            raise ApiError(500, runner.failure or str(err)) from err
-        if chunk is None:
-            raise ApiError(500, runner.failure or "runner ended the stream early")
-        final = self._final(name, chunk, start, load_duration)
-        final["response"] = "".join(text)
-        return json_response(final)
-
-    def _final(self, name: str, chunk: Mapping[str, Any], start: float, load_duration: float) -> dict[str, Any]:
-        return {
-            "model": name, "created_at": created_at(), "response": "", "done": True,
-            "done_reason": DONE_REASONS.get(chunk.get("done_reason", 0), "stop"),
-            "total_duration": round((time.monotonic() - start) * 1e9), "load_duration": round(load_duration * 1e9),
-            "prompt_eval_count": chunk.get("prompt_eval_count", 0),
-            "prompt_eval_duration": chunk.get("prompt_eval_duration", 0),
-            "eval_count": chunk.get("eval_count", 0), "eval_duration": chunk.get("eval_duration", 0),
-        }
-
 
 def native_routes(app: web.Application, scheduler: Scheduler, resolve: Resolver) -> None:
     """Register the scheduler-facing native routes on `app`."""
@@ -330,5 +225,4 @@ def native_routes(app: web.Application, scheduler: Scheduler, resolve: Resolver)
     app.router.add_get("/", routes.root)  # GET also answers HEAD
     app.router.add_get("/api/version", routes.version)
     app.router.add_get("/api/ps", routes.ps)
-    app.router.add_post("/api/generate", routes.generate)
     app.router.add_post("/api/stop", routes.stop)

@@ -8,16 +8,20 @@ down (SIGINT, SIGTERM) stops every runner subprocess.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 from aiohttp import web
 
 from ollama_engine.envconfig import EnvConfig
 from ollama_engine.sched import Model, Scheduler
 from ollama_engine.sched.devices import GpuDiscovery
+from ollama_engine.store import Store
 
-from .models import resolve_model
+from .catalog import Catalog
+from .chat import chat_routes
+from .embed import embed_routes
+from .models_routes import model_routes
 from .native import native_routes
+from .openai import openai_routes
 
 log = logging.getLogger(__name__)
 
@@ -31,15 +35,19 @@ def create_app(config: EnvConfig | None = None, scheduler: Scheduler | None = No
     """The serve application; pass a scheduler to use one built with other seams (tests)."""
     config = config or EnvConfig.from_env()
     scheduler = scheduler or Scheduler(config, get_gpu_fn=GpuDiscovery())
-    models: Path = config.models
+    catalog = Catalog(Store(config.models))
 
     def resolve(name: str) -> Model:
-        return resolve_model(name, models)
+        return catalog.resolve(name).model
 
     app = web.Application(client_max_size=MAX_BODY)
     app[SCHEDULER] = scheduler
     app[CONFIG] = config
     native_routes(app, scheduler, resolve)
+    chat = chat_routes(app, scheduler, catalog)
+    embed = embed_routes(app, scheduler, catalog)
+    model_routes(app, scheduler, catalog)
+    openai_routes(app, chat, embed)
 
     async def start(app: web.Application) -> None:
         scheduler.run()

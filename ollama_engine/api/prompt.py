@@ -1,0 +1,153 @@
+"""Prompts for /api/chat and /api/generate, and the runner options a request runs with.
+
+Ollama's order (reference §4.1): the Modelfile's MESSAGEs go before the request's messages, its SYSTEM
+first unless the request starts with a system message; a TEMPLATE (Go syntax) renders them, else the
+GGUF's Jinja chat template, else the prompt passes through raw. Options: Ollama's defaults < the
+Modelfile's PARAMETERs < the request's `options`; stops add every end-of-generation token's text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ollama_engine.sched import Options
+from ollama_engine.template import (
+    DEFAULT_TEMPLATE,
+    ChatTemplateError,
+    GoTemplate,
+    TemplateError,
+    parse_go_template,
+    stop_words,
+)
+
+from .catalog import Entry
+from .native import ApiError, split_options
+
+THINK_LEVELS = ("low", "medium", "high", "max")
+_RAW = parse_go_template(DEFAULT_TEMPLATE)
+
+
+def think_value(value: Any) -> tuple[bool | None, str]:
+    """`think`: (enabled or None when not given, level)."""
+    if value is None:
+        return None, ""
+    if isinstance(value, bool):
+        return value, ""
+    if isinstance(value, str) and value in THINK_LEVELS:
+        return True, value
+    raise ApiError(400, f"invalid think value: {value!r} (must be a boolean or one of {', '.join(THINK_LEVELS)})")
+
+
+def check_think(entry: Entry, think: bool | None) -> None:
+    if think and "thinking" not in entry.capabilities:
+        raise ApiError(400, f'"{entry.requested}" does not support thinking')
+
+
+def check_images(entry: Entry, messages: Sequence[Mapping[str, Any]]) -> None:
+    """Images need a vision model; this engine runs none yet, so say so clearly."""
+    if any(m.get("images") for m in messages):
+        if "vision" not in entry.capabilities:
+            raise ApiError(400, f'"{entry.requested}" does not support images: it is a text-only model')
+        raise ApiError(400, "this engine does not run vision models yet")
+
+
+def chat_messages(entry: Entry, messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The Modelfile's SYSTEM and MESSAGEs around the request's messages, roles lower-cased."""
+    out = [dict(m) for m in entry.messages] + [{**m, "role": str(m.get("role", "")).lower()} for m in messages]
+    if entry.system and (not out or out[0].get("role") != "system"):
+        out.insert(0, {"role": "system", "content": entry.system})
+    return out
+
+
+def render_chat(entry: Entry, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None,
+                think: bool | None, think_level: str = "", template: GoTemplate | None = None) -> str:
+    """The prompt text for chat messages with the model's template (or `template`)."""
+    go = template or entry.go_template
+    try:
+        if go is not None:
+            return go.render(messages, tools=tools, think=bool(think), think_level=think_level,
+                             is_think_set=think is not None)
+        chat = entry.chat_template
+        if chat is not None:
+            extra: dict[str, Any] = {"reasoning_effort": think_level} if think_level else {}
+            return chat.prompt(messages, tools=tools, think=think, **extra)
+        return _RAW.render(messages)
+    except (TemplateError, ChatTemplateError) as err:
+        raise ApiError(500, f"template error: {err}") from err
+
+
+def generate_prompt(entry: Entry, body: Mapping[str, Any], think: bool | None, think_level: str) -> str:
+    """/api/generate's prompt: raw as given, or the user prompt (with system / template / suffix) rendered."""
+    prompt = body.get("prompt") or ""
+    if body.get("raw"):
+        return prompt
+    template = entry.go_template
+    if body.get("template"):
+        try:
+            template = parse_go_template(body["template"])
+        except TemplateError as err:
+            raise ApiError(400, f"template error: {err}") from err
+    suffix = body.get("suffix") or ""
+    if suffix:
+        if template is None or "suffix" not in template.vars():
+            raise ApiError(400, f"{entry.full_name} does not support insert")
+        return template.render(prompt=prompt, suffix=suffix)
+    messages: list[dict[str, Any]] = []
+    system = body.get("system") or entry.system
+    if system:
+        messages.append({"role": "system", "content": system})
+    messages.append({"role": "user", "content": prompt})
+    return render_chat(entry, messages, None, think, think_level, template)
+
+
+def request_options(entry: Entry, options: Any) -> tuple[Options, dict[str, Any]]:
+    """(runner options, sampling options) with the Modelfile's PARAMETERs under the request's options."""
+    if options is not None and not isinstance(options, dict):
+        raise ApiError(400, "json: cannot unmarshal options into Go value of type map[string]interface {}")
+    request = dict(options or {})
+    merged = {**entry.params, **request}
+    opts, sampling = split_options(merged)
+    sampling["stop"] = stop_words(entry.view.vocabulary, entry.params, request.get("stop"))
+    return opts, sampling
+
+
+class ThinkingSplitter:
+    """Splits streamed text into (thinking, content) at <think>...</think> (Qwen3, DeepSeek-R1 style)."""
+
+    OPEN, CLOSE = "<think>", "</think>"
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.state = "start" if enabled else "content"
+        self.buffer = ""
+
+    def feed(self, piece: str) -> tuple[str, str]:
+        if self.state == "content":
+            return "", piece
+        self.buffer += piece
+        thinking, content = "", ""
+        if self.state == "start":
+            lead = self.buffer.lstrip()
+            if not lead:
+                return "", ""
+            if self.OPEN.startswith(lead[: len(self.OPEN)]) and len(lead) < len(self.OPEN):
+                return "", ""  # could still become <think>
+            if lead.startswith(self.OPEN):
+                self.state, self.buffer = "thinking", lead[len(self.OPEN):].lstrip("\n")
+            else:  # no thinking block at all
+                self.state, content, self.buffer = "content", self.buffer, ""
+                return "", content
+        if self.state == "thinking":
+            at = self.buffer.find(self.CLOSE)
+            if at >= 0:
+                thinking, rest = self.buffer[:at], self.buffer[at + len(self.CLOSE):]
+                self.state, self.buffer = "content", ""
+                return thinking, rest.lstrip("\n")
+            keep = max((n for n in range(1, len(self.CLOSE)) if self.buffer.endswith(self.CLOSE[:n])), default=0)
+            thinking, self.buffer = self.buffer[: len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
+        return thinking, content
+
+    def finish(self) -> tuple[str, str]:
+        rest, self.buffer = self.buffer, ""
+        return (rest, "") if self.state == "thinking" else ("", rest)
