@@ -206,7 +206,7 @@ def test_200_requests_with_disconnects_over_two_models_and_one_slot_for_models(m
         pids: set[int] = set()
         outcomes = {"done": 0, "cancelled": 0, "error": 0}
         async with serving(config) as (session, url, scheduler):
-            gate = asyncio.Semaphore(32)
+            gate = asyncio.Semaphore(100)
 
             async def one(i: int) -> None:
                 model = rng.choice(["tiny", str(models["b"])])

@@ -225,11 +225,19 @@ class Scheduler:
                 await self._schedule(pending)
 
     async def process_unloaded(self) -> None:
-        """Any unload may free what a parked request waits for: retry them all, in arrival order."""
+        """Any unload may free what a parked request waits for: retry them all.
+
+        Grouped by model in order of each model's first request, so that a model that loads serves all its
+        parked requests before another one can make it drain (otherwise every switch serves one request).
+        """
         while True:
             await self.unloaded.get()
             async with self._schedule_lock:
                 parked, self.parked = self.parked, []
+                first: dict[str, int] = {}
+                for i, req in enumerate(parked):
+                    first.setdefault(model_key(req.model), i)
+                parked.sort(key=lambda req: first[model_key(req.model)])
                 for req in parked:
                     await self._schedule(req)
 
@@ -512,8 +520,9 @@ class Scheduler:
     async def process_expired(self) -> None:
         while True:
             runner = await self.expired.get()
-            if runner.ref_count > 0:
-                # busy: it unloads when its last request finishes (Ollama polls every 10 ms instead)
+            if runner.ref_count > 0 or runner.loading:
+                # busy (or still loading: its first request will hold it): it unloads when its last request
+                # finishes (Ollama polls every 10 ms instead)
                 log.debug("expired event with positive ref count, retrying model=%s", runner.model_key)
                 runner.expire_requested = True
                 runner.draining = True
@@ -628,7 +637,7 @@ class Scheduler:
         candidates = [runner for runner in self.loaded.values() if not runner.draining]
         if not candidates:
             return None
-        idle = [runner for runner in candidates if runner.ref_count <= 0]
+        idle = [runner for runner in candidates if runner.ref_count <= 0 and not runner.loading]
         if idle:
             if shortfall > 0:
                 enough = [runner for runner in idle if self._freed_by(runner, gpus) >= shortfall]
