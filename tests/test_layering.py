@@ -17,9 +17,11 @@ LAYERS = [
     "ollama_engine.ggml", "ollama_engine.fs", "ollama_engine.ml", "ollama_engine.tokenizer",
     "ollama_engine.kvcache", "ollama_engine.models", "ollama_engine.sample", "ollama_engine.runner",
     "ollama_engine.server", "ollama_engine.llm", "ollama_engine.template", "ollama_engine.store", "ollama_engine.sched",
+    "ollama_engine.api",
 ]
 FOLDERS = {"models": "ollama_engine.models", "kvcache": "ollama_engine.kvcache", "server": "ollama_engine.server"}
-SHARED = {"ollama_engine.paths", "ollama_engine.ml.memory"}  # plain data, importable from anywhere
+# plain data (and the OLLAMA_* settings), importable from anywhere
+SHARED = {"ollama_engine.paths", "ollama_engine.ml.memory", "ollama_engine.envconfig"}
 
 
 def rank(module: str) -> int | None:
