@@ -853,3 +853,22 @@ def test_keep_alive_forever_and_zero(tmp_path):
             await s.stop()
 
     run(body())
+
+
+def test_a_parked_client_leaving_stops_the_runner_started_for_it(tmp_path):
+    async def body():
+        s = init_scheduler()
+        s.run()
+        try:
+            await _loaded(s, tmp_path, "big", vram_size=10 * GB, vram_by_gpu={METAL: 10 * GB})
+            huge = new_scenario_request(tmp_path, Context(), "huge", 13 * GB, 60.0, {METAL: 13 * GB})
+            s.new_server_fn = huge.new_server
+            ctx = Context()
+            await s.get_runner(ctx, huge.req.model, Options(), None)
+            await eventually(lambda: s.parked and s.parked[0].prepared is not None, what="huge to park")
+            ctx.cancel()
+            assert not s.parked and huge.srv.close_called
+        finally:
+            await s.stop()
+
+    run(body())

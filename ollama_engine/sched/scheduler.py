@@ -303,6 +303,13 @@ class Scheduler:
     def _park(self, req: LlmRequest, why: str) -> None:
         log.debug("request parked model=%s reason=%s", model_key(req.model), why)
         self.parked.append(req)
+        req.ctx.add_done_callback(lambda: self._unpark(req))
+
+    def _unpark(self, req: LlmRequest) -> None:
+        """A parked request whose client left: forget it, and stop the runner started for it."""
+        if req in self.parked:
+            self.parked.remove(req)
+        req.close_prepared()
 
     def _drain(self, runner: RunnerRef, reason: str) -> None:
         """Mark for unload: no new requests, unload once the last in-flight one ends."""
