@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -144,6 +146,19 @@ def test_minimum_memory_overhead_and_graph_are_reserved() -> None:
     assert placed(create_layout(SYSTEM, gpus, memory, False, 0, darwin=False)) == [(DeviceID("gpu0"), [0, 1])]
 
 
+def test_byte_exact_room_on_small_numbers() -> None:
+    """Layers of a few bytes, where float32 is exact: free memory minus the reserve is the room, to the byte."""
+    exact = [gpu("gpu0", MIN + 300)]
+    assert create_layout(SYSTEM, exact, report(exact, [100] * 3), False, 0, darwin=False).sum() == 3
+    assert create_layout(SYSTEM, exact, report(exact, [100] * 3), False, 0, gpu_overhead=1, darwin=False).sum() == 2
+    # a GPU with no more than its reserve, or one the runner does not report, has no room at all
+    reserve_only = [gpu("gpu0", MIN)]
+    assert create_layout(SYSTEM, reserve_only, report(reserve_only, [1] * 3), False, 0, darwin=False).sum() == 0
+    unseen = [gpu("seen", MIN + 1), gpu("unseen", 10 * GIB)]
+    result = create_layout(SYSTEM, unseen, report(unseen[:1], [1] * 3), False, 0, darwin=False)
+    assert placed(result) == [(DeviceID("seen"), [1])]  # not all fit: the output layer stays behind
+
+
 def test_metal_sets_aside_512_mib() -> None:
     layers = [100 * MIB] * 2
     gpus = [gpu("0", 200 * MIB + MIN, library="Metal")]
@@ -202,6 +217,26 @@ def test_sched_spread_uses_all_gpus() -> None:
     assert len(placed(packed)) == 1
     spread = create_layout(SYSTEM, gpus, report(gpus, layers), False, 0, sched_spread=True, darwin=False)
     assert placed(spread) == [(DeviceID("gpu0"), [0, 1]), (DeviceID("gpu1"), [2, 3])]
+
+
+def test_sched_spread_treats_an_integrated_gpu_like_a_discrete_one() -> None:
+    # Packed, the discrete GPU takes all four layers; spread, both GPUs are one group and share them.
+    gpus = [gpu("d", GIB + MIN), gpu("i", GIB + MIN, integrated=True)]
+    layers = [100 * MIB] * 4
+    packed = create_layout(SYSTEM, gpus, report(gpus, layers), False, 0, darwin=False)
+    assert placed(packed) == [(DeviceID("d"), [0, 1, 2, 3])]
+    spread = create_layout(SYSTEM, gpus, report(gpus, layers), False, 0, sched_spread=True, darwin=False)
+    assert spread.sum() == 4 and len(placed(spread)) == 2
+
+
+def test_sched_spread_forces_an_explicit_num_gpu_unless_full_offload_is_required() -> None:
+    gpus = [gpu("gpu0", 100 * MIB + MIN), gpu("gpu1", 100 * MIB + MIN)]
+    layers = [100 * MIB] * 4
+    forced = create_layout(SYSTEM, gpus, report(gpus, layers), False, 0, num_gpu=999, sched_spread=True,
+                           darwin=False)
+    assert forced.sum() == 4
+    with pytest.raises(LoadRequiredFullError):
+        create_layout(SYSTEM, gpus, report(gpus, layers), True, 0, num_gpu=999, sched_spread=True, darwin=False)
 
 
 def test_forced_request_far_over_capacity_terminates() -> None:
@@ -284,10 +319,28 @@ def test_require_full_accepts_explicit_num_gpu_when_met() -> None:
         create_layout(SYSTEM, gpus, memory, True, 0, num_gpu=3, darwin=False)
 
 
+def test_require_full_with_num_gpu_zero_runs_on_the_cpu() -> None:
+    """num_gpu = 0 asks for no layer on a GPU, so an empty layout meets it, even when full offload is required."""
+    gpus = [gpu("gpu0", 4 * GIB + MIN)]
+    assert create_layout(SYSTEM, gpus, report(gpus, [100 * MIB] * 3), True, 0, num_gpu=0, darwin=False) == []
+
+
+def test_the_platform_decides_the_system_memory_check_by_default() -> None:
+    memory = report([], [300 * MIB, 300 * MIB, 200 * MIB])  # over free memory plus swap
+    if sys.platform == "darwin":
+        assert create_layout(SYSTEM, [], memory, False, 0) == GPULayersList()
+    else:
+        with pytest.raises(InsufficientSystemMemoryError):
+            create_layout(SYSTEM, [], memory, False, 0)
+
+
 def test_mismatched_report_is_a_clear_error() -> None:
     gpus = [gpu("gpu0", GIB)]
     memory = report(gpus, [MIB] * 3)
     memory.gpus[0].weights = [0]
     memory.gpus[0].name = "CUDA0"
     with pytest.raises(ValueError, match="'CUDA0' has 1 weights and 3 cache entries, want 3"):
+        create_layout(SYSTEM, gpus, memory, False, 0, darwin=False)
+    memory.gpus[0].weights, memory.gpus[0].cache = [0] * 3, [0] * 4
+    with pytest.raises(ValueError, match="'CUDA0' has 3 weights and 4 cache entries, want 3"):
         create_layout(SYSTEM, gpus, memory, False, 0, darwin=False)

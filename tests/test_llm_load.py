@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import socket
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,7 @@ from ollama_engine.llm.discovery import discover_gpus, system_info
 from ollama_engine.llm.layout import create_layout
 from ollama_engine.llm.load import LoadError, LoadOptions, load
 from ollama_engine.llm.runner_handle import RunnerError, RunnerHandle, StatusWriter, visible_devices_env
+from ollama_engine.ml import gpu_devices
 from ollama_engine.ml.memory import MIB, BackendMemory, DeviceID, DeviceInfo, DeviceMemory, GPULayersList, SystemInfo
 from ollama_engine.server.wire import LoadOperation, ServerStatus
 
@@ -207,8 +209,56 @@ def test_runner_http_errors_are_passed_on(fresh_runner):
         fresh_runner.load({**OPTIONS.request(LoadOperation.FIT, GPULayersList()), "LoraPath": ["x"]})
 
 
-def test_cpu_only_machine_discovers_no_gpus(runner):
-    assert discover_gpus(runner) == []
+def test_discovery_asks_the_runner_which_gpus_ggml_sees(runner):
+    """The runner's ggml sees what this process's ggml sees (none on a CPU-only machine)."""
+    assert [gpu.device_id for gpu in discover_gpus(runner)] == [device.device_id for device in gpu_devices()]
+
+
+class FakeInfo:
+    """A runner handle whose /info lists the given GPUs."""
+
+    def __init__(self, gpus: list[DeviceInfo]) -> None:
+        self.gpus = gpus
+
+    def info(self) -> list[DeviceInfo]:
+        return list(self.gpus)
+
+
+GPUS = [
+    DeviceInfo(device_id=DeviceID("0000:01:00.0", "CUDA"), name="CUDA0", total_memory=80 << 30, free_memory=10 << 30),
+    DeviceInfo(device_id=DeviceID("1", "CUDA"), name="CUDA1", total_memory=24 << 30, free_memory=1 << 30),
+    DeviceInfo(device_id=DeviceID("0", "Vulkan"), name="Vulkan0", total_memory=8 << 30, free_memory=4 << 30),
+]
+
+
+def test_discovery_refreshes_cuda_memory_from_nvml(monkeypatch):
+    import pynvml
+
+    handles = {("bus", "0000:01:00.0"): (80 << 30, 70 << 30), ("index", 1): (24 << 30, 20 << 30)}
+    calls = []
+    monkeypatch.setattr(pynvml, "nvmlInit", lambda: calls.append("init"))
+    monkeypatch.setattr(pynvml, "nvmlShutdown", lambda: calls.append("shutdown"))
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByPciBusId", lambda bus: ("bus", bus))
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", lambda index: ("index", index))
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetMemoryInfo",
+                        lambda handle: SimpleNamespace(total=handles[handle][0], free=handles[handle][1]))
+    found = discover_gpus(FakeInfo(GPUS))
+    assert [(g.device_id, g.total_memory, g.free_memory) for g in found] == [
+        (GPUS[0].device_id, 80 << 30, 70 << 30),  # by PCI bus id
+        (GPUS[1].device_id, 24 << 30, 20 << 30),  # by ordinal
+        (GPUS[2].device_id, 8 << 30, 4 << 30),  # not NVIDIA: as the runner said
+    ]
+    assert calls == ["init", "shutdown"] * 2
+
+
+def test_discovery_keeps_the_runner_figures_when_nvml_fails(monkeypatch):
+    import pynvml
+
+    def fail() -> None:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+
+    monkeypatch.setattr(pynvml, "nvmlInit", fail)
+    assert discover_gpus(FakeInfo(GPUS)) == GPUS
 
 
 def test_system_info_reads_meminfo_and_cgroup(tmp_path):

@@ -7,6 +7,7 @@ it takes before giving up, and that a layout with as many layers as before but p
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,7 @@ from ollama_engine.ml.memory import (
     DeviceID,
     DeviceInfo,
     DeviceMemory,
+    GPULayers,
     GPULayersList,
     SystemInfo,
 )
@@ -43,11 +45,11 @@ class FakeRunner:
     """
 
     def __init__(self, layers: list[int], capacities: dict[DeviceID, int], cpu_capacity: int | None = None,
-                 graph: int = 0) -> None:
+                 graph: Callable[[int], int] = lambda layers: 0) -> None:
         self.layers = layers
         self.capacities = capacities
         self.cpu_capacity = cpu_capacity
-        self.graph = graph
+        self.graph = graph  # a GPU's compute graph, by the number of layers it holds
         self.requests: list[tuple[LoadOperation, GPULayersList]] = []
 
     def load(self, request: dict[str, Any]) -> tuple[bool, BackendMemory]:
@@ -57,7 +59,7 @@ class FakeRunner:
         if operation == LoadOperation.CLOSE:
             return False, BackendMemory()
         n = len(self.layers)
-        cpu = DeviceMemory(name="CPU", weights=list(self.layers), cache=[0] * n, graph=self.graph)
+        cpu = DeviceMemory(name="CPU", weights=list(self.layers), cache=[0] * n)
         gpus = []
         for device_id in self.capacities:
             gpu = DeviceMemory(device_id, device_id.id, [0] * n, [0] * n)
@@ -65,12 +67,16 @@ class FakeRunner:
                 if entry.device_id == device_id:
                     for layer in entry.layers:
                         gpu.weights[layer], cpu.weights[layer] = cpu.weights[layer], 0
-            gpu.graph = self.graph if any(gpu.weights) else 0
+            held = sum(1 for size in gpu.weights if size)
+            gpu.graph = self.graph(held) if held else 0
             gpus.append(gpu)
         success = operation == LoadOperation.FIT or (
             all(gpu.size() <= self.capacities[gpu.device_id] for gpu in gpus)
             and (self.cpu_capacity is None or cpu.size() <= self.cpu_capacity)
         )
+        if not success:
+            for gpu in gpus:
+                gpu.graph = 0  # the weights did not fit, so the graph was never reserved
         return success, BackendMemory(cpu=cpu, gpus=gpus)
 
     def sent(self, operation: LoadOperation) -> list[GPULayersList]:
@@ -145,3 +151,80 @@ def test_cpu_only_loads_in_three_requests() -> None:
     result = load(runner, SYSTEM, [], 4, LoadOptions())
     assert [op for op, _ in runner.requests] == [LoadOperation.FIT, LoadOperation.ALLOC, LoadOperation.COMMIT]
     assert result.gpu_layers.sum() == 0 and result.device_ids() == []
+
+
+def test_the_load_request_is_the_parents_json() -> None:
+    """What Ollama's parent sends with its defaults (llm.LoadRequest; the KV cache holds num_ctx per sequence)."""
+    assert LoadOptions().request(LoadOperation.FIT, GPULayersList()) == {
+        "Operation": 0, "LoraPath": None, "Parallel": 1, "BatchSize": 512, "FlashAttention": 0, "KvSize": 2048,
+        "KvCacheType": "", "NumThreads": 0, "GPULayers": None, "MultiUserCache": False, "ProjectorPath": "",
+        "MainGPU": 0, "UseMmap": False,
+    }
+    options = LoadOptions(num_ctx=256, parallel=2, num_threads=4, flash_attention=1, kv_cache_type="q8_0",
+                          multi_user_cache=True)
+    layout = GPULayersList([GPULayers(DeviceID("GPU-0", "CUDA"), [1, 2])])
+    request = options.request(LoadOperation.ALLOC, layout)
+    assert (request["Operation"], request["BatchSize"], request["KvSize"], request["GPULayers"]) == (
+        1, 256, 512, [{"id": "GPU-0", "backend": "CUDA", "Layers": [1, 2]}])
+    assert (request["NumThreads"], request["FlashAttention"], request["KvCacheType"], request["MultiUserCache"]) == (
+        4, 1, "q8_0", True)
+
+
+def test_default_options_hold_back_nothing_but_the_minimum() -> None:
+    gpu = cuda(0, MINIMUM + 300)
+    runner = FakeRunner([100] * 3, {gpu.device_id: 300})  # three layers of 100 bytes fill it exactly
+    assert load(runner, SYSTEM, [gpu], 3, LoadOptions()).gpu_layers.sum() == 3
+
+
+def test_num_gpu_zero_that_cannot_be_allocated_fails_at_once() -> None:
+    runner = FakeRunner([100 * MIB] * 4, {}, cpu_capacity=100 * MIB)
+    with pytest.raises(LoadError, match=r"^memory layout cannot be allocated with num_gpu = 0$"):
+        load(runner, SYSTEM, [cuda(0, GIB)], 4, LoadOptions(num_gpu=0))
+    assert len(runner.sent(LoadOperation.ALLOC)) == 1
+
+
+def counts(runner: FakeRunner) -> list[tuple[str, int]]:
+    return [(op.name, layout.sum()) for op, layout in runner.requests]
+
+
+def test_an_oscillating_plan_tries_the_count_in_between() -> None:
+    """7 layers leave room for 9, 9 would leave room for 7 only: the loop tries 8, which fits as it is."""
+    gpu = cuda(0, MINIMUM + 1000 * MIB)
+    runner = FakeRunner([100 * MIB] * 10, {gpu.device_id: 1000 * MIB},
+                        graph=lambda n: 300 * MIB if n >= 9 else 150 * MIB if n == 8 else 50 * MIB)
+    result = load(runner, SYSTEM, [gpu], 10, LoadOptions())
+    assert counts(runner) == [("FIT", 10), ("FIT", 7), ("FIT", 8), ("ALLOC", 8), ("COMMIT", 8)]
+    assert result.gpu_layers.sum() == 8
+
+
+def test_an_oscillating_plan_settles_on_the_smaller_count_when_none_between_holds() -> None:
+    """8 layers need the big graph (room for 7 only); 7 leave room for 9. Trying 8 again in the allocation
+    phase fails, and that failed report (no graph) must not be taken for room."""
+    gpu = cuda(0, MINIMUM + 1000 * MIB)
+    runner = FakeRunner([100 * MIB] * 10, {gpu.device_id: 1000 * MIB},
+                        graph=lambda n: 300 * MIB if n >= 8 else 50 * MIB)
+    result = load(runner, SYSTEM, [gpu], 10, LoadOptions())
+    assert counts(runner) == [
+        ("FIT", 10), ("FIT", 7), ("FIT", 8), ("FIT", 7),
+        ("ALLOC", 7), ("ALLOC", 8), ("ALLOC", 7), ("COMMIT", 7),
+    ]
+    assert result.gpu_layers.sum() == 7 and all(a.backoff == 0 for a in result.attempts)
+
+
+def test_an_explicit_num_gpu_never_explores() -> None:
+    gpu = cuda(0, MINIMUM + 1000 * MIB)
+    runner = FakeRunner([100 * MIB] * 10, {gpu.device_id: 1000 * MIB},
+                        graph=lambda n: 300 * MIB if n >= 8 else 50 * MIB)
+    result = load(runner, SYSTEM, [gpu], 10, LoadOptions(num_gpu=7))
+    assert counts(runner) == [("FIT", 7), ("ALLOC", 7), ("COMMIT", 7)]
+    assert result.gpu_layers.sum() == 7
+
+
+def test_a_plan_one_layer_larger_is_not_explored() -> None:
+    """7 layers leave room for 8, 8 would leave room for 7: one more is no oscillation worth a request."""
+    gpu = cuda(0, MINIMUM + 1000 * MIB)
+    runner = FakeRunner([100 * MIB] * 10, {gpu.device_id: 1000 * MIB},
+                        graph=lambda n: 300 * MIB if n >= 8 else 150 * MIB)
+    result = load(runner, SYSTEM, [gpu], 10, LoadOptions())
+    assert counts(runner) == [("FIT", 10), ("FIT", 7), ("ALLOC", 7), ("COMMIT", 7)]
+    assert result.gpu_layers.sum() == 7

@@ -65,6 +65,13 @@ def test_backend_memory_wire_keys_and_round_trip() -> None:
     assert BackendMemory.from_json(json.loads(go_json(memory.to_json()))) == memory
 
 
+def test_missing_and_null_fields_decode_to_zero() -> None:
+    """Go leaves a missing key at its zero value and decodes null into a struct as nothing."""
+    assert BackendMemory.from_json({}) == BackendMemory()
+    assert BackendMemory.from_json({"CPU": None, "GPUs": None}) == BackendMemory()
+    assert DeviceMemory.from_json({"id": "GPU-1"}) == DeviceMemory(DeviceID("GPU-1"))
+
+
 def test_gpu_layers_list_wire_format() -> None:
     wire = '[{"id":"GPU-1","backend":"CUDA","Layers":[0,1,2]},{"id":"0","Layers":null}]'
     layout = GPULayersList.from_json(json.loads(wire))
@@ -100,6 +107,16 @@ def test_system_info_omits_zero_fields() -> None:
     info = SystemInfo(thread_count=8, total_memory=GIB, free_memory=512 * MIB)
     assert info.to_json() == {"threads": 8, "total_memory": GIB, "free_memory": 512 * MIB}
     assert SystemInfo.from_json(info.to_json()) == info
+    assert SystemInfo() == SystemInfo.from_json({}) == SystemInfo(0, 0, 0, 0)
+    assert SystemInfo().to_json() == {}
+
+
+def test_device_info_zero_value_is_an_empty_object() -> None:
+    assert DeviceInfo() == DeviceInfo.from_json({"id": ""})
+    assert DeviceInfo().to_json() == {
+        "id": "", "name": "", "description": "", "total_memory": 0, "ComputeMajor": 0, "ComputeMinor": 0,
+        "LibraryPath": None,
+    }
 
 
 # --- sizes ---
@@ -127,6 +144,7 @@ def test_minimum_memory() -> None:
 @pytest.mark.parametrize(
     "size, text",
     [(0, "0 B"), (1023, "1023 B"), (1024, "1.0 KiB"), (1536, "1.5 KiB"), (MIB, "1.0 MiB"),
+     (1000 * 1024, "1000.0 KiB"), (MIB - 1, "1024.0 KiB"),
      (768 * MIB, "768.0 MiB"), (GIB - 1, "1024.0 MiB"), (7 * GIB + GIB // 2, "7.5 GiB")],
 )
 def test_human_bytes2(size: int, text: str) -> None:
@@ -150,6 +168,7 @@ def test_gpu_layers_list_string_and_sum() -> None:
     assert layout.sum() == 3
     assert str(layout) == "3[ID:gpu1 Layers:1(0..0) ID:gpu0 Layers:2(1..2)]"
     assert str(GPULayersList()) == "[]"
+    assert str(GPULayersList([GPULayers(DeviceID("gpu0"), [5])])) == "1[ID:gpu0 Layers:1(5..5)]"
     assert GPULayersList().sum() == 0
 
 
@@ -205,6 +224,8 @@ def test_summary_follows_ollamas_log_order() -> None:
         ("total memory", "", 46),
     ]
     assert BackendMemory().summary() == []
+    one_byte = BackendMemory(cpu=DeviceMemory(name="CPU", graph=1))
+    assert one_byte.summary() == [("compute graph", "CPU", 1), ("total memory", "", 1)]
 
 
 def test_table_and_log(caplog: pytest.LogCaptureFixture) -> None:

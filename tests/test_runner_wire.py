@@ -24,6 +24,7 @@ from ollama_engine.server.wire import (
     Float32,
     LoadOperation,
     LoadRequest,
+    ServerStatus,
     WireError,
     completion_chunk,
     completion_done,
@@ -87,6 +88,13 @@ def test_health_line():
     assert encode(health_response(3, 1 / 3)) == b'{"status":3,"progress":0.33333334}\n'
 
 
+def test_enum_values_are_gos():
+    """Go encodes these enums as plain integers, so the numbers are the protocol (llm/server.go, llm.LoadOperation)."""
+    assert {status.name: status.value for status in ServerStatus} == {
+        "READY": 0, "NO_SLOTS_AVAILABLE": 1, "LAUNCHED": 2, "LOADING_MODEL": 3, "NOT_RESPONDING": 4, "ERROR": 5}
+    assert {op.name: op.value for op in LoadOperation} == {"FIT": 0, "ALLOC": 1, "COMMIT": 2, "CLOSE": 3}
+
+
 # ---------------------------------------------------------------- decoding
 
 
@@ -113,6 +121,16 @@ def test_load_request_decoding():
     assert not other.same_layout(req)
 
 
+def test_load_request_zero_value_is_an_empty_object():
+    """A LoadRequest made in Python starts from the zero values Go gives to missing keys."""
+    assert LoadRequest() == LoadRequest.from_json(b"{}") == LoadRequest.from_json(b'{"GPULayers": null}')
+    assert vars(LoadRequest()) == {
+        "operation": LoadOperation.FIT, "lora_path": [], "parallel": 0, "batch_size": 0, "flash_attention": 0,
+        "kv_size": 0, "kv_cache_type": "", "num_threads": 0, "gpu_layers": [], "multi_user_cache": False,
+        "projector_path": "", "main_gpu": 0, "use_mmap": False,
+    }
+
+
 @pytest.mark.parametrize("body", [b"{", b"[]", b'{"Operation": "fit"}', b'{"Parallel": true}',
                                   b'{"Operation": 9}', b'{"KvSize": 1.5}', b'{"GPULayers": [3]}'])
 def test_load_request_rejects(body):
@@ -126,6 +144,11 @@ def test_completion_request_options():
     assert defaults.options.num_predict == -1 and defaults.options.num_keep == 4
     assert defaults.options.sampler.temperature == pytest.approx(0.8) and defaults.options.sampler.top_k == 40
     assert defaults.options.shift is False and defaults.options.truncate is False
+    assert defaults.options.top_logprobs == 0 and defaults.options.logprobs is False
+
+    empty = CompletionRequest.from_json(b'{"Options": {}}').options  # present but empty: every key at zero
+    assert (empty.num_predict, empty.num_keep, empty.stop, empty.sampler.temperature) == (0, 0, [], 0.0)
+    assert CompletionRequest.from_json(b'{"TopLogprobs": 20}').options.top_logprobs == 20  # the most allowed
 
     # present options leave omitted keys at zero (the parent encodes them with omitempty)
     given = CompletionRequest.from_json(json.dumps({
