@@ -7,6 +7,7 @@ import logging
 import sys
 
 from ollama_engine.api.cli import add_serve_commands
+from ollama_engine.api.client_cli import add_client_commands
 from ollama_engine.llm.plan import add_plan_command
 from ollama_engine.server.cli import add_runner_command
 
@@ -60,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_runner_command(commands)
     add_plan_command(commands)
     add_serve_commands(commands)
+    add_client_commands(commands)
     demo = commands.add_parser("demo", help="the end-to-end demo")
     demo.add_argument("--model", help="a GGUF file (default: a generated synthetic model)")
     demo.set_defaults(run=demo_command)

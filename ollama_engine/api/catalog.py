@@ -138,7 +138,7 @@ class Catalog:
         if not name:
             raise ModelNotFoundError(name)
         path = Path(name).expanduser()
-        if name.endswith(".gguf") or os.sep in name:
+        if name.endswith(".gguf") or (os.sep in name and path.is_file()):
             if not path.is_file():
                 raise ModelNotFoundError(name)
             model = Model(name=name, short_name=path.stem, model_path=str(path.resolve()))

@@ -120,8 +120,10 @@ class ChatRoutes:
         chunks = self.chat_chunks(job, state["tools"], state["think"])
         return await respond_ndjson(request, chunks, body.get("stream") is not False, collect_chat)
 
-    async def chat_chunks(self, job: Job, tools: Sequence[Mapping[str, Any]] | None, think: bool | None) -> Chunks:
-        """Ollama's chat chunks: message pieces (content, thinking, tool_calls), then the final one."""
+    async def chat_chunks(self, job: Job, tools: Sequence[Mapping[str, Any]] | None, think: bool | None,
+                          source: Chunks | None = None) -> Chunks:
+        """Ollama's chat chunks: message pieces (content, thinking, tool_calls), then the final one.
+        `source`: the runner's lines (default: run `job`; tests replay recorded lines)."""
         name = job.entry.requested
         thinking = ThinkingSplitter(bool(think) and "thinking" in job.entry.capabilities)
         calls = ToolCallStream(tools) if tools else None
@@ -138,7 +140,7 @@ class ChatRoutes:
                 out["logprobs"] = logprobs
             return out
 
-        async with aclosing(runner_chunks(self.scheduler, job)) as raw:
+        async with aclosing(source or runner_chunks(self.scheduler, job)) as raw:
             async for chunk in raw:
                 if chunk.get("done"):
                     thought, content = thinking.finish()
