@@ -227,18 +227,22 @@ def test_errors(client: ollama.Client, smollm2: str, server: str):
 
 def test_busy_model_is_503(client: ollama.Client, smollm2: str):
     """OLLAMA_MAX_QUEUE=1: one request running, one waiting, a third is turned away with 503."""
-    holder = client.chat(model=smollm2, messages=MESSAGES, options={"num_predict": 2000}, stream=True)
+    # a raw count goes on until num_predict (a chat answer would end at <|im_end|> at once)
+    holder = client.generate(model=smollm2, prompt="1, 2, 3, 4, 5, 6, 7, 8,", raw=True,
+                             options={"num_predict": 2000, "temperature": 0}, stream=True)
     next(holder)  # holds the runner's only slot
     waiter_result: list = []
     waiter = threading.Thread(target=lambda: waiter_result.append(
         client.chat(model=smollm2, messages=MESSAGES, options={"num_predict": 1})))
     waiter.start()
     try:
-        for _ in range(200):
+        for _ in range(600):
             rows = [m for m in client._request_raw("GET", "/api/ps").json()["models"] if m["model"] == "smollm2:latest"]
             if rows and rows[0]["queue_depth"] == 1:
                 break
             threading.Event().wait(0.05)
+        else:
+            raise AssertionError(f"the second request never queued: {rows}")
         with pytest.raises(ollama.ResponseError) as err:
             client.chat(model=smollm2, messages=MESSAGES, options={"num_predict": 1})
         assert err.value.status_code == 503 and "server busy" in err.value.error
