@@ -98,6 +98,7 @@ def logprob(token: str, value: float) -> Logprob:
         (["Hello", " the", "re!"], "there!", ["Hello", " "]),
         (["Hello", " world", "END"], "END", ["Hello", " world"]),
         (["Text", " ", "with", " ", "stop", " ", "word"], "stop word", ["Text", " ", "with", " "]),
+        (["ST", "OP"], "STOP", []),  # the stop is all there is: no logprob survives
     ],
 )
 def test_logprobs_follow_stop_truncation(pieces, stop, expected):

@@ -202,7 +202,25 @@ def test_same_seed_same_draws_and_different_seeds_differ():
 def test_random_seed_is_not_fixed():
     logits = np.zeros(1000, dtype=np.float32)
     runs = [[Sampler(1.0, 0, 1.0, 0.0, seed).sample(logits) for _ in range(20)] for seed in (-1, None, -1)]
-    assert runs[0] != runs[1] != runs[2]
+    assert len({tuple(run) for run in runs}) == 3  # the two runs with -1 differ too
+
+
+def test_a_negative_seed_is_taken_modulo_2_to_the_64():
+    """Go converts the seed to uint64: -5 seeds the generator as 2**64 - 5 does."""
+    expected = np.random.default_rng(2**64 - 5).random(4)
+    np.testing.assert_array_equal(Sampler(seed=-5).rng.random(4), expected)
+
+
+def test_options_must_be_numbers_not_booleans():
+    """JSON true is not a number to Go's decoder."""
+    for name in ("temperature", "top_p", "min_p", "top_k", "seed"):
+        with pytest.raises(TypeError, match=name):
+            Sampler(**{name: True})
+
+
+def test_present_options_without_a_key_leave_it_at_zero():
+    sampler = Sampler.from_options({})
+    assert (sampler.temperature, sampler.top_k, sampler.top_p, sampler.min_p) == (0.0, 0, 0.0, 0.0)
 
 
 def test_sample_leaves_the_logits_alone():
@@ -261,18 +279,25 @@ def decode_letter(token: int) -> str:
 
 
 def test_logprobs_empty_logits_are_an_error():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="expected one non-empty row of logits"):
         calculate_logprobs(f32([]), 0, 0, decode_word)
+    with pytest.raises(ValueError, match=r"expected one non-empty row of logits, got shape \(2, 2\)"):
+        calculate_logprobs(np.zeros((2, 2), np.float32), 0, 0, decode_word)
 
 
-@pytest.mark.parametrize("top", [0, 3])
+def test_logprobs_of_a_one_token_vocabulary():
+    result = calculate_logprobs(f32([3.0]), 0, 1, decode_letter)
+    assert result == {"token": "A", "logprob": 0.0, "top_logprobs": [{"token": "A", "logprob": 0.0}]}
+
+
+@pytest.mark.parametrize("top", [0, 1, 3])
 def test_logprobs_selected_token_and_top_count(top):
     result = calculate_logprobs(f32([1.0, 0.5, 0.3, 0.1]), 0, top, decode_word)
     assert result["token"] == "hello"
     if top == 0:
         assert "top_logprobs" not in result
     else:
-        assert [t["token"] for t in result["top_logprobs"]] == ["hello", "hi", "hey"]
+        assert [t["token"] for t in result["top_logprobs"]] == ["hello", "hi", "hey"][:top]
 
 
 def test_logprobs_numerical_stability():
