@@ -8,6 +8,7 @@ from .cache import (
     CacheConfig,
     CacheError,
     CacheFullError,
+    Segment,
     ShiftError,
     ShiftFn,
     backend_cache_config,
@@ -18,5 +19,5 @@ from .wrapper import Wrapper
 
 __all__ = [
     "CACHE_TYPES", "Batch", "Cache", "CacheConfig", "CacheError", "CacheFullError", "Causal", "Layout",
-    "ShiftError", "ShiftFn", "Wrapper", "attention", "backend_cache_config", "cache_dtype",
+    "Segment", "ShiftError", "ShiftFn", "Wrapper", "attention", "backend_cache_config", "cache_dtype",
 ]

@@ -1,7 +1,8 @@
 """attention(): scaled dot-product attention over the cache, the one call model layers make.
 
-It stores the batch's keys and values in the cache, reads back the history and mask, and runs either
-ggml's fused flash attention (when the backend enables it) or matmul, softmax and matmul.
+It stores the batch's keys and values in the cache, reads back each sequence's history and mask, and
+runs either ggml's fused flash attention (when the backend enables it) or matmul, softmax and matmul,
+once per sequence of the batch, so that a sequence's result does not depend on its company.
 """
 
 from __future__ import annotations
@@ -22,16 +23,32 @@ def attention(
     if key is not None and value is not None:
         if query.ne[0] != key.ne[0] or key.ne[1] != value.ne[1] or key.ne[2] != value.ne[2]:
             raise ShapeError(f"attention: query {query.shape}, key {key.shape}, value {value.shape}")
-    mask = None
-    permuted_v = False
-    if cache is not None:
-        if key is not None and value is not None:
-            cache.put(ctx, key, value)
-        key, value, mask = cache.get(ctx)
-        permuted_v = cache.config.permuted_v
-    elif key is None or value is None:
-        raise ValueError("attention without a cache needs the key and the value")
+    if cache is None:
+        if key is None or value is None:
+            raise ValueError("attention without a cache needs the key and the value")
+        return _attend(ctx, query, key, value, None, scale, permuted_v=False)
 
+    if key is not None and value is not None:
+        cache.put(ctx, key, value)
+    segments = cache.get(ctx)
+    permuted_v = cache.config.permuted_v
+    out = None
+    for segment in segments:
+        rows = query if len(segments) == 1 else _rows(query, segment.begin, segment.count)
+        part = _attend(ctx, rows, segment.key, segment.value, segment.mask, scale, permuted_v)
+        out = part if out is None else out.concat(part, 2)
+    return out
+
+
+def _rows(x: Tensor, begin: int, count: int) -> Tensor:
+    """Rows begin..begin+count of x (d, heads, n) along its last dimension."""
+    return x.view(x.strides[2] * begin, (x.ne[0], x.ne[1], count))
+
+
+def _attend(
+    ctx: Context, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, scale: float, permuted_v: bool
+) -> Tensor:
+    """One sequence: query (head_dim, heads, n) against its history -> (v_head_dim, heads, n)."""
     q = query.permute(0, 2, 1, 3)  # (head_dim, n, heads)
     k = key.permute(0, 2, 1, 3)  # (head_dim, history, kv_heads)
     if ctx.backend.flash_attention:

@@ -3,6 +3,7 @@
 A forward pass goes: the runner calls `start_forward(ctx, batch)` (which picks cells for the batch and
 creates the mask and cell-index inputs in ctx), then for every layer the model calls `set_layer(i)`,
 `put(ctx, k, v)` and `get(ctx)` (usually through `attention()`), and the runner computes the graph.
+`get` returns one Segment per sequence of the batch: each sequence attends to its own history alone.
 
 So that one built graph can serve many decode steps, `start_forward` is also available in two halves:
 `prepare(batch)` updates the cache's bookkeeping and returns the layout (everything the graph's shape
@@ -20,6 +21,22 @@ from typing import Protocol
 from ollama_engine.ml import Backend, Context, DType, Tensor
 
 from .batch import Batch
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One sequence's rows of a batch (rows begin..begin+count) and the history they attend to.
+
+    key (k_head_dim, kv_heads, history), value (v_head_dim, kv_heads, history) or with permuted V
+    (history, v_head_dim, kv_heads), mask (history, count): 0 where a row may attend, -inf where not.
+    """
+
+    begin: int
+    count: int
+    key: Tensor
+    value: Tensor
+    mask: Tensor
+
 
 ShiftFn = Callable[[Context, int, Tensor, Tensor], Tensor]
 """shift(ctx, layer, key, positions_delta) -> key re-rotated by the delta (I32, one per cell)."""
@@ -95,8 +112,8 @@ class Cache(Protocol):
     def put(self, ctx: Context, key: Tensor, value: Tensor) -> None:
         """Store the batch's key (k_head_dim, kv_heads, batch) and value (v_head_dim, kv_heads, batch)."""
 
-    def get(self, ctx: Context) -> tuple[Tensor, Tensor, Tensor]:
-        """The history visible to the batch: key, value and mask (history, batch)."""
+    def get(self, ctx: Context) -> list[Segment]:
+        """The history visible to the batch, one segment per sequence in it."""
 
     def prepare(self, batch: Batch, reserve: bool = False) -> Hashable:
         """Place the batch in the cache and return the layout a graph for it depends on."""

@@ -1,9 +1,16 @@
 """Causal: the self-attention cache (Ollama's kvcache.Causal), full, sliding-window or chunked.
 
-The bookkeeping is two arrays over the cells: the position each cell holds, and which sequences use
-it (several, after copy_prefix). Cells need not be contiguous: a batch is written with set_rows at the
-cell indices `prepare` chose, and the mask hides every cell a token must not see, stale ones included.
-Everything done per step is vectorised numpy over the cells, because it runs for every decoded token.
+Every sequence owns a region of the cells, as in llama.cpp's per-sequence KV streams: sequence s
+stores its positions in cells [s * region, (s + 1) * region), first free cell first, and each
+sequence of a batch attends to its own region only (a Segment of the batch). So a sequence's
+attention reads the same cells, in the same order, over the same padded length, whatever other
+sequences share its batches: its logits do not depend on other users' traffic (ggml's kernels
+round differently for other shapes, and 8-bit activation quantization turns that rounding into
+visible drift). Sharing a prefix between sequences copies the cells (copy_prefix).
+
+The bookkeeping is two arrays over the cells: the position each cell holds and whether it is in use.
+A batch is written with set_rows at the cell indices `prepare` chose, and each segment's mask hides
+every cell a token must not see. Everything done per step is vectorised numpy over one region.
 
 Variants (all keyword arguments of the constructor):
 - window_size: sliding-window attention, a token sees itself and the `window_size` positions before;
@@ -28,16 +35,27 @@ from .cache import (
     QUANTIZED_TYPES,
     CacheConfig,
     CacheFullError,
+    Segment,
     ShiftError,
     ShiftFn,
     backend_cache_config,
 )
 
-Layout = tuple[int, int, int]
-"""(batch size, first history cell, history length): what a graph built for a batch depends on."""
+Layout = tuple[tuple[int, int, int], ...]
+"""Per segment (rows, first history cell, history length): what a graph built for a batch depends on."""
 
 
 _MASK_VALUES = {t: np.array([-np.inf, 0], dtype=t) for t in (np.float16, np.float32)}  # indexed by visibility
+
+
+@dataclass(frozen=True)
+class _Span:
+    """One sequence's rows of the prepared batch and the history cells they attend to."""
+
+    begin: int  # first batch row
+    count: int
+    start: int  # first history cell
+    length: int
 
 
 @dataclass(frozen=True)
@@ -47,9 +65,9 @@ class _Bound:
     serial: int  # of the context
     layout: Layout
     locs: np.ndarray
-    mask: np.ndarray
+    masks: tuple[np.ndarray, ...]
     locs_tensor: Tensor
-    mask_tensor: Tensor
+    mask_tensors: tuple[Tensor, ...]
 
 
 class Causal:
@@ -102,7 +120,7 @@ class Causal:
         if dtype in QUANTIZED_TYPES and self._config.permuted_v:
             raise ValueError(f"a {dtype.name} kv cache needs flash attention (it cannot store V transposed)")
 
-        # `None` is unlimited memory: every position of every sequence is kept.
+        # `None` is unlimited memory: every position of the sequence is kept.
         memory = self._memory_request if self._memory_request is not None else self._window
         if memory is not None and max_sequences > 1:
             memory = max(memory, self._window + 1)  # room for a stop token that the next turn drops
@@ -110,15 +128,18 @@ class Causal:
             memory = None
         self._memory = memory
 
-        cells = max_sequences * capacity if memory is None else max_sequences * memory + max_batch
+        # A sliding window needs its memory plus the batch being added; never more than the capacity.
+        cells = capacity if memory is None else min(capacity, memory + max_batch)
         padding = self._config.padding
-        self._cells = math.ceil(cells / padding) * padding
+        self._region = math.ceil(cells / padding) * padding
+        self._sequences = max_sequences
+        self._cells = max_sequences * self._region
         self._backend = backend
         self._dtype = dtype
         self._mask_dtype = np.float16 if self._config.mask_dtype == DType.F16 else np.float32
         self._max_batch = max_batch
         self._pos = np.zeros(self._cells, dtype=np.int64)
-        self._member = np.zeros((max_sequences, self._cells), dtype=bool)  # [sequence, cell]
+        self._used = np.zeros(self._cells, dtype=bool)
         self._storage = backend.new_context(2 * (backend.block_count + 1))
         self._keys: dict[int, Tensor] = {}
         self._values: dict[int, Tensor] = {}
@@ -136,6 +157,11 @@ class Causal:
     def cells(self) -> int:
         return self._cells
 
+    @property
+    def region(self) -> int:
+        """Cells per sequence."""
+        return self._region
+
     # ------------------------------------------------------------ a forward pass
 
     def start_forward(self, ctx: Context, batch: Batch, reserve: bool = False) -> None:
@@ -143,45 +169,40 @@ class Causal:
         self.bind(ctx)
 
     def prepare(self, batch: Batch, reserve: bool = False) -> Layout:
-        """Choose the batch's cells (evicting what slid out of the window) and compute its mask.
+        """Choose the batch's cells (evicting what slid out of the window) and compute its masks.
 
-        With reserve the bookkeeping is left alone and the whole cache is the history: the worst case
-        a graph must be sized for.
+        Each sequence's rows must be consecutive in the batch. With reserve the bookkeeping is left
+        alone and every sequence's whole region is its history: the worst case a graph is sized for.
         """
         self._require_init()
         n = len(batch)
         if n == 0:
             raise ValueError("cannot start a forward pass with an empty batch")
-        if n > self._cells:
-            raise CacheFullError(f"could not find a kv cache slot (cache: {self._cells} batch: {n})")
-        self._sequences = list(dict.fromkeys(batch.sequences.tolist()))  # unique, cheaper than np.unique when small
-        self._ensure_sequences(max(self._sequences) + 1)
+        runs = self._runs(batch)
         self._batch = None  # until the batch has its cells
+        region = self._region
         if reserve:
-            locs = np.arange(n, dtype=np.int32)
-            start, stop = 0, self._cells
+            locs = np.arange(n, dtype=np.int32) % self._cells
+            spans = [_Span(begin, count, seq * region, region) for seq, begin, count in runs]
         else:
-            low, high = self._history_range(batch)
-            locs = self._find_locs(n)
-            first, last = int(locs[0]), int(locs[-1])
-            if n == 1:  # a decode step: scalar stores cost a fraction of fancy indexing
-                self._pos[first] = batch.positions[0]
-                self._member[self._sequences[0], first] = True
-            else:
-                self._pos[locs] = batch.positions
-                self._member[batch.sequences, locs] = True  # the cells were free: no other sequence uses them
-            padding = self.config.padding
-            start = min(low, first) // padding * padding
-            stop = math.ceil(max(high, last + 1) / padding) * padding
+            locs = np.empty(n, dtype=np.int32)
+            spans = []
+            try:
+                for seq, begin, count in runs:
+                    spans.append(self._place(batch, seq, begin, count, locs))
+            except CacheFullError:
+                for span in spans:  # give back the cells of the sequences placed before
+                    self._used[locs[span.begin : span.begin + span.count]] = False
+                raise
         self._batch, self._reserve, self._except = batch, reserve, None
-        self._locs, self._start, self._stop = locs, start, stop
-        self._mask = self._build_mask()
+        self._locs, self._spans = locs, spans
+        self._masks = self._build_masks()
         return self.layout
 
     @property
     def layout(self) -> Layout:
         self._require_batch()
-        return (len(self._batch), self._start, self._stop - self._start)
+        return tuple((span.count, span.start, span.length) for span in self._spans)
 
     def bind(self, ctx: Context) -> None:
         """Create the batch's cell-index and mask inputs in ctx, or refill them if ctx already has them."""
@@ -190,12 +211,16 @@ class Causal:
         if isinstance(bound, _Bound) and bound.layout == self.layout:
             # The context keeps the arrays it was given and writes them at every compute.
             np.copyto(bound.locs, self._locs)
-            np.copyto(bound.mask, self._mask)
+            for target, mask in zip(bound.masks, self._masks, strict=True):
+                np.copyto(target, mask)
         else:
             inputs = ctx.input()
-            bound = _Bound(ctx.serial, self.layout, self._locs, self._mask,
-                           inputs.from_numpy(self._locs).set_name("kv_cells"),
-                           inputs.from_numpy(self._mask).set_name("kq_mask"))
+            masks = tuple(self._masks)
+            bound = _Bound(
+                ctx.serial, self.layout, self._locs, masks,
+                inputs.from_numpy(self._locs).set_name("kv_cells"),
+                tuple(inputs.from_numpy(mask).set_name(f"kq_mask-{i}") for i, mask in enumerate(masks)),
+            )
             ctx.bindings[self] = bound
         self._bound = bound
 
@@ -211,8 +236,9 @@ class Causal:
         if unchanged:
             return
         self._except = flags
-        self._mask = self._build_mask()
-        np.copyto(self._bound.mask, self._mask)
+        self._masks = self._build_masks()
+        for target, mask in zip(self._bound.masks, self._masks, strict=True):
+            np.copyto(target, mask)
 
     def set_layer(self, layer: int) -> None:
         self._layer = layer
@@ -235,69 +261,83 @@ class Causal:
             target = Tensor(ctx, values.handle).reshape(v_width, self._cells)
         ctx.forward(target.set_rows(rows, self._bound.locs_tensor))
 
-    def get(self, ctx: Context) -> tuple[Tensor, Tensor, Tensor]:
+    def get(self, ctx: Context) -> list[Segment]:
         self._require_bound(ctx)
         if self._layer not in self._keys:
             raise RuntimeError(f"get() before put() for layer {self._layer}")
         keys, values = self._keys[self._layer], self._values[self._layer]
-        length = self._stop - self._start
-        key = Tensor(ctx, keys.handle).view(keys.strides[2] * self._start, (keys.ne[0], keys.ne[1], length))
-        if self.config.permuted_v:
-            value = Tensor(ctx, values.handle).view(
-                values.strides[0] * self._start, (length, values.ne[1], values.ne[2]))
-        else:
-            value = Tensor(ctx, values.handle).view(
-                values.strides[2] * self._start, (values.ne[0], values.ne[1], length))
-        return key, value, self._bound.mask_tensor
+        segments = []
+        for span, mask in zip(self._spans, self._bound.mask_tensors, strict=True):
+            key, value = self._cell_views(ctx, keys, values, span.start, span.length)
+            segments.append(Segment(span.begin, span.count, key, value, mask))
+        return segments
 
     # ------------------------------------------------------------ sequences
 
     def copy_prefix(self, source: int, destination: int, length: int) -> None:
+        """Give destination a copy of source's cells for positions below length, in the same cells of its region.
+
+        The same relative cells keep the destination's attention identical to the source's.
+        """
         self._require_init()
-        self._ensure_sequences(max(source, destination) + 1)
-        self._member[destination] = self._member[source] & (self._pos < length)
+        src, dst = self._cells_of(source), self._cells_of(destination)
+        if source == destination:
+            self._used[src] &= self._pos[src] < length
+            return
+        copied = self._used[src] & (self._pos[src] < length)
+        self._used[dst] = copied
+        self._pos[dst] = np.where(copied, self._pos[src], 0)
+        if not copied.any() or not self._keys:
+            return
+        span = len(copied) - int(copied[::-1].argmax())  # up to the last copied cell
+        with self._backend.new_context() as ctx:
+            for layer, keys in self._keys.items():
+                key, value = self._cell_views(ctx, keys, self._values[layer], src.start, span)
+                key_to, value_to = self._cell_views(ctx, keys, self._values[layer], dst.start, span)
+                ctx.forward(key.copy_to(key_to), value.copy_to(value_to))
+            ctx.compute()
 
     def can_resume(self, seq: int, position: int) -> bool:
         self._require_init()
         if self._memory is None:
             return True
-        if seq >= len(self._member) or not self._member[seq].any():
+        cells = self._cells_of(seq)
+        used = self._used[cells]
+        if not used.any():
             return False
-        stored = self._pos[self._member[seq]]
+        stored = self._pos[cells][used]
         return max(0, position - self._window) >= stored.min() and position <= stored.max() + 1
 
     def remove(self, seq: int, begin: int, end: int | None = None) -> None:
         self._require_init()
         if begin < 0 or (end is not None and end < begin):
             raise ValueError(f"cannot remove positions [{begin}, {end}) of sequence {seq}")
-        if seq >= len(self._member):
+        if not 0 <= seq < self._sequences:
             return
-        cells = self._member[seq].copy()
-        removed = cells & (self._pos >= begin)
+        cells = self._cells_of(seq)
+        used, pos = self._used[cells], self._pos[cells]  # views: changing them changes the bookkeeping
+        removed = used & (pos >= begin)
         if end is not None:
-            removed &= self._pos < end
+            removed &= pos < end
         # Positions at or after a finite end move down by end - begin; checked before anything changes.
-        moved = cells & (self._pos >= end) if end is not None and end > begin else np.zeros_like(cells)
+        moved = used & (pos >= end) if end is not None and end > begin else np.zeros_like(used)
+        if moved.any() and self._shift_fn is None:
+            raise ShiftError("model does not support operation")
+        used[removed] = False
         if moved.any():
-            if (self._member[:, moved].sum(axis=0) > 1).any():
-                raise ShiftError("shifting cells shared by multiple sequences not supported")
-            if self._shift_fn is None:
-                raise ShiftError("model does not support operation")
-        self._member[seq, removed] = False
-        if moved.any():
-            self._pos[moved] += begin - end
-            self._shift_keys(moved, begin - end)
+            pos[moved] += begin - end
+            self._shift_keys(cells.start + np.flatnonzero(moved), begin - end)
 
-    def _shift_keys(self, moved: np.ndarray, offset: int) -> None:
-        """Re-rotate the moved cells' keys by `offset`, at most max_batch cells per graph."""
+    def _shift_keys(self, cells: np.ndarray, offset: int) -> None:
+        """Re-rotate the keys of these (sorted) cells by `offset`, at most max_batch cells per graph."""
         assert self._shift_fn is not None
-        cells = np.flatnonzero(moved)
         i = 0
         while i < len(cells):
             start = int(cells[i])
             j = int(np.searchsorted(cells, start + self._max_batch))
             stop = int(cells[j - 1]) + 1
-            deltas = np.where(moved[start:stop], offset, 0).astype(np.int32)
+            deltas = np.zeros(stop - start, dtype=np.int32)
+            deltas[cells[i:j] - start] = offset
             with self._backend.new_context() as ctx:
                 delta_tensor = ctx.input().from_numpy(deltas)
                 for layer, keys in self._keys.items():
@@ -324,74 +364,86 @@ class Causal:
         if self._bound is None or ctx.serial != self._bound.serial or self._bound.layout != self.layout:
             raise RuntimeError("the batch is not bound to this context: call start_forward() (or bind()) with it")
 
-    def _ensure_sequences(self, count: int) -> None:
-        """Sequence ids index the membership rows; add rows for a sequence id not seen before."""
-        extra = count - len(self._member)
-        if extra > 0:
-            self._member = np.concatenate([self._member, np.zeros((extra, self._cells), dtype=bool)])
+    def _cells_of(self, seq: int) -> slice:
+        if not 0 <= seq < self._sequences:
+            raise ValueError(f"sequence {seq} outside the cache's {self._sequences} sequences")
+        return slice(seq * self._region, (seq + 1) * self._region)
 
-    def _history_range(self, batch: Batch) -> tuple[int, int]:
-        """The cells [low, high) the batch's sequences may attend to; evicts cells beyond the memory."""
-        low, high = self._cells, 0
+    def _runs(self, batch: Batch) -> list[tuple[int, int, int]]:
+        """(sequence, first row, rows) for each sequence of the batch, whose rows must be consecutive."""
+        sequences = batch.sequences.tolist()
+        runs, begin = [], 0
+        for i in range(1, len(sequences) + 1):
+            if i == len(sequences) or sequences[i] != sequences[begin]:
+                runs.append((sequences[begin], begin, i - begin))
+                begin = i
+        if len(runs) > 1 and len({seq for seq, _, _ in runs}) != len(runs):
+            raise ValueError(f"a batch must hold each sequence's tokens together, got sequences {sequences}")
+        for seq, _, _ in runs:
+            self._cells_of(seq)  # validates the id
+        return runs
 
-        def include(cells: np.ndarray) -> None:
-            nonlocal low, high
-            first = int(cells.argmax())  # argmax, not any() or flatnonzero(): cheaper with cold caches
-            if cells[first]:
-                low, high = min(low, first), max(high, len(cells) - int(cells[::-1].argmax()))
-
-        batch_sequences = self._sequences
-        if self._memory is None:
-            for seq in batch_sequences:
-                include(self._member[seq])
-            return low, high
-
-        # The lowest position each sequence still needs: the batch's first token for the sequences in
-        # it, the position after the last stored one for the others.
-        lowest = {int(s): int(batch.positions[batch.sequences == s].min()) for s in batch_sequences}
-        for seq in np.flatnonzero(self._member.any(axis=1)).tolist():
-            in_batch = seq in lowest
-            cells = self._member[seq]
-            first = lowest[seq] if in_batch else int(self._pos[cells].max()) + 1
-            cells &= self._pos >= first - self._memory  # in place: evicts from the bookkeeping
-            if in_batch:
-                include(cells & (self._pos >= first - self._window))
-        return low, high
-
-    def _find_locs(self, n: int) -> np.ndarray:
-        """The first n free cells."""
-        used = self._member.any(axis=0) if len(self._member) > 1 else self._member[0]
-        if n == 1:  # every decode step: one pass over the cells, not three
-            cell = int(used.argmin())
-            if not used[cell]:
-                return np.array([cell], dtype=np.int32)
+    def _place(self, batch: Batch, seq: int, begin: int, count: int, locs: np.ndarray) -> _Span:
+        """Store one sequence's rows in the first free cells of its region; the history they attend to."""
+        cells = self._cells_of(seq)
+        used, pos = self._used[cells], self._pos[cells]  # views of the region
+        positions = batch.positions[begin : begin + count]
+        first = int(positions[0]) if count == 1 else int(positions.min())
+        if self._memory is not None:
+            used &= pos >= first - self._memory  # in place: evicts from the bookkeeping
+        if count == 1:  # a decode step: one pass over the region, scalar stores
+            offset = int(used.argmin())
+            if used[offset]:
+                raise CacheFullError(f"could not find a kv cache slot (cache: {self._region} batch: 1)")
+            offsets = np.array([offset], dtype=np.int32)
+            pos[offset] = first
+            used[offset] = True
         else:
-            free = np.flatnonzero(~used)
-            if free.size >= n:
-                return free[:n].astype(np.int32)
-        raise CacheFullError(f"could not find a kv cache slot (cache: {self._cells} batch: {n})")
+            offsets = np.flatnonzero(~used)[:count].astype(np.int32)
+            if len(offsets) < count:
+                raise CacheFullError(f"could not find a kv cache slot (cache: {self._region} batch: {count})")
+            pos[offsets] = positions
+            used[offsets] = True
+        locs[begin : begin + count] = offsets + cells.start
+        visible = used if self._window is None else used & (pos >= first - self._window)
+        low = int(visible.argmax())  # argmax, not flatnonzero(): cheaper with cold caches
+        high = len(visible) - int(visible[::-1].argmax())
+        padding = self.config.padding
+        start = low // padding * padding
+        stop = math.ceil(high / padding) * padding  # the region is a multiple of the padding
+        return _Span(begin, count, cells.start + start, stop - start)
 
-    def _build_mask(self) -> np.ndarray:
-        """(batch, history) of 0 where a token may attend to a cell and -inf where not."""
+    def _build_masks(self) -> list[np.ndarray]:
+        """Per segment, (rows, history) of 0 where a token may attend to a cell and -inf where not."""
         dtype = self._mask_dtype
         batch = self._batch
-        if self._reserve:
-            return np.zeros((len(batch), self._stop - self._start), dtype=dtype)  # only sized, never read
-        cell_pos = self._pos[self._start : self._stop]
-        positions = batch.positions[:, None]
-        causal = cell_pos <= positions
-        if self._except is not None:
-            causal |= self._except[:, None]
-        sequences = self._sequences
-        if len(sequences) == 1:  # one row of memberships, broadcast over the batch: no gathered copy
-            visible = causal & self._member[sequences[0], self._start : self._stop]
+        masks = []
+        for span in self._spans:
+            if self._reserve:
+                masks.append(np.zeros((span.count, span.length), dtype=dtype))  # only sized, never read
+                continue
+            history = slice(span.start, span.start + span.length)
+            cell_pos = self._pos[history]
+            positions = batch.positions[span.begin : span.begin + span.count, None]
+            causal = cell_pos <= positions
+            if self._except is not None:
+                causal |= self._except[span.begin : span.begin + span.count, None]
+            visible = causal & self._used[history]
+            if self._chunk is not None:
+                visible &= cell_pos >= positions - positions % self._chunk
+            if self._window is not None:
+                visible &= cell_pos >= positions - self._window
+            masks.append(_MASK_VALUES[dtype][visible.view(np.uint8)])  # cheaper than np.where per decoded token
+        return masks
+
+    def _cell_views(self, ctx: Context, keys: Tensor, values: Tensor, start: int, length: int) -> tuple[Tensor, Tensor]:
+        """Views of `length` cells from `start` of one layer's stored keys and values."""
+        key = Tensor(ctx, keys.handle).view(keys.strides[2] * start, (keys.ne[0], keys.ne[1], length))
+        if self.config.permuted_v:
+            value = Tensor(ctx, values.handle).view(values.strides[0] * start, (length, values.ne[1], values.ne[2]))
         else:
-            visible = causal & self._member[batch.sequences, self._start : self._stop]
-        if self._chunk is not None:
-            visible &= cell_pos >= positions - positions % self._chunk
-        if self._window is not None:
-            visible &= cell_pos >= positions - self._window
-        return _MASK_VALUES[dtype][visible.view(np.uint8)]  # cheaper than np.where per decoded token
+            value = Tensor(ctx, values.handle).view(values.strides[2] * start, (values.ne[0], values.ne[1], length))
+        return key, value
 
     def _layer_tensors(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
         """The layer's stored key and value, allocated (on the layer's device) at its first put()."""

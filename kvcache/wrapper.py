@@ -8,7 +8,7 @@ from __future__ import annotations
 from ollama_engine.ml import Backend, Context, DType, Tensor
 
 from .batch import Batch
-from .cache import Cache, CacheConfig
+from .cache import Cache, CacheConfig, Segment
 
 
 class Wrapper:
@@ -72,7 +72,7 @@ class Wrapper:
     def put(self, ctx: Context, key: Tensor, value: Tensor) -> None:
         self.underlying().put(ctx, key, value)
 
-    def get(self, ctx: Context) -> tuple[Tensor, Tensor, Tensor]:
+    def get(self, ctx: Context) -> list[Segment]:
         return self.underlying().get(ctx)
 
     def copy_prefix(self, source: int, destination: int, length: int) -> None:

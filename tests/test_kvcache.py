@@ -68,47 +68,76 @@ def mask_rows(*rows: str) -> np.ndarray:
 
 
 @dataclass
-class Step:
-    values: list[float]
-    shape: tuple[int, ...]  # ggml order: (head_dim, kv_heads, batch)
-    sequences: list[int]
-    positions: list[int]
+class Seen:
+    """What one sequence of a batch reads back: its key history, the history's shape, its mask."""
+
     out: list[float]
     out_shape: tuple[int, ...]
     mask: np.ndarray
     value_out: list[float] | None = None  # values are never shifted: differs from `out` after a shift
 
 
-def forward(backend: Backend, cache: Causal, values, shape, sequences, positions):
-    """One forward pass as the Go harness does it: store the batch, read back key, value and mask."""
+@dataclass
+class Step:
+    values: list[float]
+    shape: tuple[int, ...]  # ggml order: (head_dim, kv_heads, batch)
+    sequences: list[int]
+    positions: list[int]
+    seen: list[Seen]  # one per sequence of the batch, in batch order
+
+
+def forward_all(backend: Backend, cache: Causal, values, shape, sequences, positions):
+    """One forward pass as the Go harness does it: store the batch, read back each sequence's key,
+    value and mask."""
     with backend.new_context() as ctx:
         cache.start_forward(ctx, Batch(positions=positions, sequences=sequences))
         cache.set_layer(0)
         tensor = ctx.input().from_numpy(np.asarray(values, dtype=np.float32).reshape(shape[::-1]))
         cache.put(ctx, tensor, tensor)
-        key, value, mask = cache.get(ctx)
-        packed_value = value.contiguous()
-        ctx.compute(key, packed_value, mask)
-        value_data = packed_value.numpy().reshape(packed_value.ne[2::-1])
-        if cache.config.permuted_v:  # (kv_heads, head_dim, history) -> (history, kv_heads, head_dim)
-            value_data = value_data.transpose(2, 0, 1)
-        return key.numpy().reshape(key.ne[2::-1]), key.shape, value_data, mask.numpy().reshape(len(positions), -1)
+        segments = [(s.key, s.value.contiguous(), s.mask) for s in cache.get(ctx)]
+        ctx.compute(*(t for segment in segments for t in segment))
+        results = []
+        for key, packed_value, mask in segments:
+            value_data = packed_value.numpy().reshape(packed_value.ne[2::-1])
+            if cache.config.permuted_v:  # (kv_heads, head_dim, history) -> (history, kv_heads, head_dim)
+                value_data = value_data.transpose(2, 0, 1)
+            results.append((key.numpy().reshape(key.ne[2::-1]), key.shape, value_data,
+                            mask.numpy().reshape(mask.ne[1], -1)))
+        return results
+
+
+def forward(backend: Backend, cache: Causal, values, shape, sequences, positions):
+    """forward_all for a batch of one sequence: (key, key shape, value, mask)."""
+    (result,) = forward_all(backend, cache, values, shape, sequences, positions)
+    return result
 
 
 def run(backend: Backend, cache: Causal, *steps: Step) -> None:
     for step in steps:
-        key, shape, value, mask = forward(backend, cache, step.values, step.shape, step.sequences, step.positions)
-        assert shape == step.out_shape
-        np.testing.assert_array_equal(key.reshape(-1), np.asarray(step.out, dtype=np.float16))
-        value_out = step.out if step.value_out is None else step.value_out
-        np.testing.assert_array_equal(value.reshape(-1), np.asarray(value_out, dtype=np.float16))
-        np.testing.assert_array_equal(mask, step.mask)
+        results = forward_all(backend, cache, step.values, step.shape, step.sequences, step.positions)
+        assert len(results) == len(step.seen)
+        for (key, shape, value, mask), seen in zip(results, step.seen, strict=True):
+            assert shape == seen.out_shape
+            np.testing.assert_array_equal(key.reshape(-1), np.asarray(seen.out, dtype=np.float16))
+            value_out = seen.out if seen.value_out is None else seen.value_out
+            np.testing.assert_array_equal(value.reshape(-1), np.asarray(value_out, dtype=np.float16))
+            np.testing.assert_array_equal(mask, seen.mask)
+
+
+def seen(out: list[float], *mask: str) -> Seen:
+    """What a sequence of single-number tokens (shape (1, 1, n)) reads back."""
+    return Seen(out, (1, 1, len(out)), mask_rows(*mask))
 
 
 def vector(values: list[float], sequences: list[int], positions: list[int], out: list[float],
            *mask: str) -> Step:
-    """A step whose tokens are single numbers (shape (1, 1, n)), as in all but TestStore."""
-    return Step(values, (1, 1, len(values)), sequences, positions, out, (1, 1, len(out)), mask_rows(*mask))
+    """A step of one sequence whose tokens are single numbers (shape (1, 1, n)), as in all but TestStore."""
+    return Step(values, (1, 1, len(values)), sequences, positions, [seen(out, *mask)])
+
+
+def vectors(values: list[float], sequences: list[int], positions: list[int], *seen: Seen) -> Step:
+    """A step of several sequences of single-number tokens; `seen` per sequence, in batch order."""
+    return Step(values, (1, 1, len(values)), sequences, positions, list(seen))
 
 
 # ---------------------------------------------------------------- causal_test.go
@@ -122,16 +151,16 @@ def test_store(backend, permuted_v):
     assert first[:6] == [111, 211, 121, 221, 131, 231]
     run(
         backend, cache,
-        Step(first, (2, 3, 4), [0] * 4, [0, 1, 2, 3], first, (2, 3, 4),
-             mask_rows("0 x x x", "0 0 x x", "0 0 0 x", "0 0 0 0")),
-        Step(second, (2, 3, 1), [0], [4], first + second, (2, 3, 5), mask_rows("0 0 0 0 0")),
+        Step(first, (2, 3, 4), [0] * 4, [0, 1, 2, 3],
+             [Seen(first, (2, 3, 4), mask_rows("0 x x x", "0 0 x x", "0 0 0 x", "0 0 0 0"))]),
+        Step(second, (2, 3, 1), [0], [4], [Seen(first + second, (2, 3, 5), mask_rows("0 0 0 0 0"))]),
     )
 
 
 @PERMUTED
 def test_swa(backend, permuted_v):
     cache = new_cache(backend, Causal(window_size=1), permuted_v)
-    assert cache.cells == 17
+    assert cache.cells == 16  # the window's memory (1) plus a batch (16), at most the capacity (16)
     run(
         backend, cache,
         vector([1, 2, 3, 4], [0] * 4, [0, 1, 2, 3], [1, 2, 3, 4], "0 x x x", "0 0 x x", "x 0 0 x", "x x 0 0"),
@@ -142,13 +171,14 @@ def test_swa(backend, permuted_v):
 @PERMUTED
 def test_swa_separate_batches(backend, permuted_v):
     cache = new_cache(backend, Causal(window_size=1), permuted_v, max_sequences=2, max_batch=2)
-    assert cache.cells == 6
+    assert cache.cells == 8  # per sequence: memory 2 (window + 1 with several sequences) plus a batch of 2
     run(
         backend, cache,
         vector([1, 2], [0, 0], [0, 1], [1, 2], "0 x", "0 0"),
         vector([3, 4], [0, 0], [2, 3], [2, 3, 4], "0 0 x", "x 0 0"),
         vector([5, 6], [1, 1], [0, 1], [5, 6], "0 x", "0 0"),
-        vector([7, 8], [1, 1], [2, 3], [6, 3, 4, 7, 8], "0 x x 0 x", "x x x 0 0"),
+        # Ollama's unified cells would show sequence 0's cells here, masked; each sequence has its own
+        vector([7, 8], [1, 1], [2, 3], [6, 7, 8], "0 0 x", "x 0 0"),
         vector([9, 10], [0, 0], [4, 5], [9, 10, 3, 4], "0 x x 0", "0 0 x x"),
     )
 
@@ -176,38 +206,40 @@ def test_chunked_attention(backend, permuted_v):
     )
 
 
-SEQUENCES_FIRST = vector([1, 2, 3, 4], [0, 0, 1, 1], [0, 1, 0, 1], [1, 2, 3, 4], "0 x x x", "0 0 x x", "x x 0 x",
-                         "x x 0 0")
+# Ollama's table sees one history of interleaved cells; here each sequence sees its own region.
+SEQUENCES_FIRST = vectors([1, 2, 3, 4], [0, 0, 1, 1], [0, 1, 0, 1],
+                          seen([1, 2], "0 x", "0 0"), seen([3, 4], "0 x", "0 0"))
 
 
 @PERMUTED
 def test_sequences(backend, permuted_v):
-    cache = new_cache(backend, Causal(), permuted_v)
+    cache = new_cache(backend, Causal(), permuted_v, max_sequences=2)
     run(
         backend, cache, SEQUENCES_FIRST,
-        vector([5, 6], [0, 1], [2, 2], [1, 2, 3, 4, 5, 6], "0 0 x x 0 x", "x x 0 0 x 0"),
+        vectors([5, 6], [0, 1], [2, 2], seen([1, 2, 5], "0 0 0"), seen([3, 4, 6], "0 0 0")),
     )
 
 
 @PERMUTED
 def test_remove(backend, permuted_v):
-    cache = new_cache(backend, Causal(add_shift), permuted_v)
+    cache = new_cache(backend, Causal(add_shift), permuted_v, max_sequences=2)
     run(backend, cache, SEQUENCES_FIRST)
     cache.remove(0, 1)
-    run(backend, cache, vector([5, 6], [0, 1], [1, 2], [1, 5, 3, 4, 6], "0 0 x x x", "x x 0 0 0"))
+    run(backend, cache, vectors([5, 6], [0, 1], [1, 2], seen([1, 5], "0 0"), seen([3, 4, 6], "0 0 0")))
     cache.remove(0, 0, 1)  # position 1 (key 5) moves to 0 and is shifted by -1
-    middle = vector([7, 8], [0, 0], [1, 2], [7, 4, 3, 4, 6, 8], "0 0 x x x x", "0 0 x x x 0")
-    middle.value_out = [7, 5, 3, 4, 6, 8]
+    middle = vector([7, 8], [0, 0], [1, 2], [7, 4, 8], "0 0 x", "0 0 0")
+    middle.seen[0].value_out = [7, 5, 8]
     run(backend, cache, middle)
 
 
 @PERMUTED
 def test_copy(backend, permuted_v):
-    cache = new_cache(backend, Causal(identity_shift), permuted_v)
+    cache = new_cache(backend, Causal(identity_shift), permuted_v, max_sequences=2)
     run(backend, cache, vector([1, 2, 3, 4], [0] * 4, [0, 1, 2, 3], [1, 2, 3, 4],
                                "0 x x x", "0 0 x x", "0 0 0 x", "0 0 0 0"))
-    cache.copy_prefix(0, 1, 2)
-    run(backend, cache, vector([5, 6], [1, 1], [3, 4], [1, 2, 3, 4, 5, 6], "0 0 x x 0 x", "0 0 x x 0 0"))
+    cache.copy_prefix(0, 1, 2)  # sequence 1 gets copies of keys 1 and 2 in the same cells of its region
+    run(backend, cache, vector([5, 6], [1, 1], [3, 4], [1, 2, 5, 6], "0 0 0 x", "0 0 0 0"))
+    run(backend, cache, vector([7], [0], [4], [1, 2, 3, 4, 7], "0 0 0 0 0"))  # sequence 0 keeps its own
 
 
 def store(backend: Backend, cache: Causal, positions: list[int], seq: int = 0) -> None:
@@ -279,15 +311,15 @@ def test_backend_config_and_memory_accounting(backend):
     cache = Causal()
     cache.init(backend, DType.F16, 2, 100, 8)
     assert cache.config == CacheConfig(padding=256, permuted_v=True)
-    assert cache.cells == 256  # 2 * 100 rounded up to the padding
+    assert cache.cells == 512  # 2 sequences of 100 cells, each rounded up to the padding
     before = backend.memory.cpu.cache[1]
     with backend.new_context() as ctx:
         cache.start_forward(ctx, Batch(positions=[0], sequences=[0]))
         cache.set_layer(1)
         kv = ctx.input().from_numpy(np.ones((1, 2, 8), dtype=np.float32))  # (8, 2, 1): head_dim 8, 2 heads
         cache.put(ctx, kv, kv)
-    # key and value of layer 1, each 8 * 2 * 256 F16 values, are charged to layer 1's KV cache
-    assert backend.memory.cpu.cache[1] - before >= 2 * 8 * 2 * 256 * 2
+    # key and value of layer 1, each 8 * 2 * 512 F16 values, are charged to layer 1's KV cache
+    assert backend.memory.cpu.cache[1] - before >= 2 * 8 * 2 * 512 * 2
 
 
 def test_cache_full(backend):
@@ -301,21 +333,22 @@ def test_reserve_leaves_bookkeeping(backend):
     cache = new_cache(backend, Causal(), False)
     store(backend, cache, [0, 1])
     layout = cache.prepare(Batch(positions=list(range(16)), sequences=[0] * 16), reserve=True)
-    assert layout == (16, 0, cache.cells)  # the whole cache is the worst-case history
+    assert layout == ((16, 0, cache.cells),)  # the whole region is the worst-case history
     key, *_ = forward(backend, cache, [5.0], (1, 1, 1), [0], [2])
     np.testing.assert_array_equal(key.reshape(-1), [0, 1, 5])  # the reserve batch stored nothing
 
 
 def test_remove_errors(backend):
-    cache = new_cache(backend, Causal(add_shift), False)
+    cache = new_cache(backend, Causal(add_shift), False, max_sequences=2)
     store(backend, cache, [0, 1, 2, 3])
-    cache.copy_prefix(0, 1, 4)  # every cell is now shared
-    with pytest.raises(ShiftError, match="shifting cells shared by multiple sequences not supported"):
-        cache.remove(0, 1, 2)
-    cache.remove(1, 0)  # removing to the end never fails ...
-    cache.remove(0, 1, 2)  # ... and once nothing is shared the shift works
+    cache.copy_prefix(0, 1, 4)  # a copy: nothing is shared, so sequence 0 can still shift
+    cache.remove(0, 1, 2)
     key, *_ = forward(backend, cache, [9.0], (1, 1, 1), [0], [3])
     np.testing.assert_array_equal(key.reshape(-1), [0, 9, 1, 2])  # keys 2, 3 moved to positions 1, 2
+    key, *_ = forward(backend, cache, [8.0], (1, 1, 1), [1], [4])
+    np.testing.assert_array_equal(key.reshape(-1), [0, 1, 2, 3, 8])  # sequence 1's copy did not move
+    with pytest.raises(ValueError, match="sequence 2 outside the cache's 2 sequences"):
+        store(backend, cache, [0], seq=2)
 
     no_shift = new_cache(backend, Causal(), False)
     store(backend, no_shift, [0, 1, 2])
@@ -346,7 +379,8 @@ def test_shift_in_chunks_across_layers(backend):
             cache.set_layer(layer)
             kv = ctx.input().from_numpy(np.full((1, 1, 1), 1.0, dtype=np.float32))
             cache.put(ctx, kv, kv)
-            key, value, mask = cache.get(ctx)
+            (segment,) = cache.get(ctx)
+            key, value, mask = segment.key, segment.value, segment.mask
             outputs += [key, value]
         ctx.compute(*outputs, mask)
         for layer in range(2):
@@ -381,7 +415,7 @@ def test_rope_shift_matches_new_positions(backend):
         expected = rope(ctx.input().from_numpy(kept), ctx.input().from_ints([0, 1, 2, 3], 4)).contiguous()
         zero = ctx.input().from_numpy(np.zeros((1, heads, head_dim), dtype=np.float32))
         cache.put(ctx, zero, zero)
-        stored, _, _ = cache.get(ctx)
+        stored = cache.get(ctx)[0].key
         ctx.compute(stored, expected)
         np.testing.assert_allclose(stored.numpy()[[0, 3, 4, 5]], expected.numpy(), atol=2e-3)
 
@@ -394,7 +428,7 @@ def test_set_causal_exceptions(backend):
         cache.set_layer(0)
         kv = ctx.input().from_numpy(np.zeros((3, 1, 1), dtype=np.float32))
         cache.put(ctx, kv, kv)
-        _, _, mask = cache.get(ctx)
+        mask = cache.get(ctx)[0].mask
         ctx.compute(mask)
         np.testing.assert_array_equal(mask.numpy(), mask_rows("0 x x", "0 0 0", "0 0 0"))
         cache.set_causal(ctx, [])  # no exceptions: causal again, in the same graph
@@ -414,13 +448,14 @@ def test_padding_and_graph_reuse(backend):
     ctx = backend.new_context()
     try:
         layout = cache.prepare(Batch(positions=[3], sequences=[0]))
-        assert layout == (1, 0, 256)
+        assert layout == ((1, 0, 256),)
         cache.bind(ctx)
         cache.set_layer(0)
         token = np.full((1, 1, 1), 30.0, dtype=np.float32)
         kv = ctx.input().from_numpy(token)
         cache.put(ctx, kv, kv)
-        key, _, mask = cache.get(ctx)
+        (segment,) = cache.get(ctx)
+        key, mask = segment.key, segment.mask
         ctx.compute(key, mask)
         np.testing.assert_array_equal(key.numpy().reshape(-1)[:5], [0, 1, 2, 30, 0])
         assert key.shape == (1, 1, 256) and mask.ne[:2] == (256, 1)
@@ -450,7 +485,7 @@ def test_wrapper(backend):
             assert wrapper.underlying() is (swa, full)[layer_type]
             kv = ctx.input().from_numpy(np.asarray([1.0, 2.0, 3.0], dtype=np.float32).reshape(3, 1, 1))
             wrapper.put(ctx, kv, kv)
-            outputs.append(wrapper.get(ctx)[2])
+            outputs.append(wrapper.get(ctx)[0].mask)
         ctx.compute(*outputs)
         np.testing.assert_array_equal(outputs[0].numpy(), mask_rows("0 x x", "0 0 x", "x 0 0"))
         np.testing.assert_array_equal(outputs[1].numpy(), mask_rows("0 x x", "0 0 x", "0 0 0"))
@@ -467,7 +502,7 @@ def test_wrapper_unwinds_on_failure(backend):
     small.init(backend, DType.F16, 1, 2, 4)
     with pytest.raises(CacheFullError):
         wrapper.prepare(Batch(positions=[0, 1, 2], sequences=[0, 0, 0]))
-    assert large.prepare(Batch(positions=[0], sequences=[0]))[2] == 1  # the first cache was emptied again
+    assert large.prepare(Batch(positions=[0], sequences=[0])) == ((1, 0, 1),)  # the first cache was emptied again
 
 
 def reference_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:

@@ -74,22 +74,24 @@ def open_model(path: str, params: LoadParams, allocate: bool) -> LoadedModel:
         if model.cache is not None:
             model.cache.init(model.backend, cache_dtype(params.kv_cache_type), parallel, input_cache.num_ctx,
                              batch_size)
-        reserve_graph(model, tokens=batch_size, outputs=min(parallel, batch_size)).close()
-        reserve_graph(model, tokens=min(parallel, batch_size), outputs=min(parallel, batch_size)).close()
+        decode = min(parallel, batch_size)
+        reserve_graph(model, tokens=batch_size, outputs=decode).close()
+        reserve_graph(model, tokens=decode, outputs=decode, sequences=decode).close()
     except BaseException:
         model.close()
         raise
     return LoadedModel(model, input_cache, parallel, batch_size)
 
 
-def reserve_graph(model: Model, tokens: int, outputs: int) -> Context:
-    """Reserve compute buffers for a batch of this many tokens and outputs attending to the whole cache.
+def reserve_graph(model: Model, tokens: int, outputs: int, sequences: int = 1) -> Context:
+    """Reserve compute buffers for a batch of this many tokens, outputs and sequences (each attending to
+    the whole of its cache region).
 
     The first reservation also creates the KV cache tensors (they are made at the first put), which is
     how their size reaches the memory report. Returns the graph's context, for the caller to close.
     """
     batch = Batch(
-        positions=np.arange(tokens), sequences=np.zeros(tokens), outputs=np.zeros(outputs),
+        positions=np.arange(tokens), sequences=np.arange(tokens) * sequences // tokens, outputs=np.zeros(outputs),
         tokens=np.zeros(tokens),
     )
     ctx = model.backend.new_context()

@@ -10,8 +10,10 @@ graph, before the next batch is formed. Batches of the same shape share one grap
 
 Batch formation: one token budget (batch_size) shared by all sequences, visited round-robin from the
 sequence that last missed out; a same-batch group is never split (it may stretch the budget); a prompt
-too long for one batch continues in the next. A sequence whose slot is full is shifted (or ended with
-DoneReason.LENGTH if the request forbids shifting).
+too long for one batch continues in the next. A sequence's inputs go in the chunks they would form
+alone (its next batch_size inputs, or all that are left): one that does not fit waits for the next
+batch, so a sequence computes the same batches whatever its company (see kvcache.causal). A sequence
+whose slot is full is shifted (or ended with DoneReason.LENGTH if the request forbids shifting).
 """
 
 from __future__ import annotations
@@ -165,6 +167,10 @@ class Runner:
                 assert slot is not None
                 if not self.cache.enabled:  # no KV cache: the whole history goes into every batch
                     seq.inputs, slot.inputs = slot.inputs + seq.inputs, []
+                if state.inputs and len(state.inputs) + self._chunk_length(seq) > self.batch_size:
+                    if resume is None:
+                        resume = index  # its whole chunk goes first next time
+                    continue
                 limit = self.batch_size
                 for i, inp in enumerate(seq.inputs):
                     needed = 1 + inp.same_batch
@@ -206,6 +212,21 @@ class Runner:
             state.batch = Batch(positions=positions, sequences=sequences, outputs=outputs, tokens=tokens)
             state.graph = self.model.graphs.acquire(state.batch)
             return state
+
+    def _chunk_length(self, seq: Sequence) -> int:
+        """How many of seq's inputs an empty batch would take: a sequence's inputs always go in such chunks.
+
+        Cutting a prompt where other sequences leave room would give its tokens other batch shapes than
+        when it runs alone, and ggml's results depend (slightly) on the shapes.
+        """
+        taken, limit = 0, self.batch_size
+        for inp in seq.inputs:
+            needed = 1 + inp.same_batch
+            limit = max(limit, needed)
+            if taken + needed > limit:
+                break
+            taken += 1
+        return taken
 
     def _compute_batch(self, state: BatchState) -> None:
         if state.graph is None:

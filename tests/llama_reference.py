@@ -1,0 +1,67 @@
+"""llama.cpp through its low-level API, fed exactly the batches our engine computes.
+
+The high-level llama_cpp.Llama evaluates one sequence; comparing multi-sequence batches and cache
+types needs the context parameters and llama_batch directly. One KV stream per sequence
+(kv_unified=False) is the layout our cache uses, so the same batches are the same ggml operations.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+CACHE_TYPES = {"f16": 1, "q4_0": 2, "q8_0": 8}  # ggml_type values
+
+
+class Reference:
+    """A llama.cpp context on one GGUF: decode(batch) returns the logits of the rows that ask for them."""
+
+    def __init__(self, path: Path, *, n_ctx: int = 1024, n_batch: int = 512, sequences: int = 1,
+                 flash_attention: bool = False, cache_type: str = "f16", threads: int = 2):
+        import llama_cpp
+
+        self.lib = llama_cpp
+        llama_cpp.llama_backend_init()
+        self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), llama_cpp.llama_model_default_params())
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {path}")
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = n_ctx * sequences
+        params.n_batch = params.n_ubatch = n_batch
+        params.n_seq_max = sequences
+        params.kv_unified = False
+        params.n_threads = params.n_threads_batch = threads
+        params.flash_attn_type = 1 if flash_attention else 0
+        params.type_k = params.type_v = CACHE_TYPES[cache_type]
+        self.ctx = llama_cpp.llama_init_from_model(self.model, params)
+        if not self.ctx:
+            llama_cpp.llama_model_free(self.model)
+            raise RuntimeError("llama.cpp could not create the context")
+        self.vocab_size = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
+        self.batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
+
+    def decode(self, tokens: Sequence[int], positions: Sequence[int], sequences: Sequence[int],
+               outputs: Sequence[int]) -> np.ndarray:
+        """One llama_decode of these tokens; logits (len(outputs), vocab) in the order of `outputs`."""
+        batch, wanted = self.batch, set(outputs)
+        batch.n_tokens = len(tokens)
+        for i, (token, position, seq) in enumerate(zip(tokens, positions, sequences, strict=True)):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, position, 1
+            batch.seq_id[i][0] = seq
+            batch.logits[i] = i in wanted
+        if self.lib.llama_decode(self.ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+        rows = []
+        for i in outputs:
+            pointer = self.lib.llama_get_logits_ith(self.ctx, i)
+            rows.append(np.ctypeslib.as_array(ctypes.cast(pointer, ctypes.POINTER(ctypes.c_float)),
+                                              shape=(self.vocab_size,)).copy())
+        return np.stack(rows)
+
+    def close(self) -> None:
+        self.lib.llama_batch_free(self.batch)
+        self.lib.llama_free(self.ctx)
+        self.lib.llama_model_free(self.model)

@@ -1,0 +1,174 @@
+"""A request's output does not depend on other users' traffic: batched equals solo, on real weights.
+
+Random weights and tiny models hide the drift (a logprob off by 0.2 on SmolLM2-135M Q4_1 was 0.003 on
+stories260K), so these tests use the real SmolLM2 and compare logprobs, not texts. Each sequence
+attends to its own cache region and computes its prompt in the chunks it would alone (see
+kvcache/causal.py and runner/loop.py); llama.cpp's server with one KV stream per slot does the same.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_runner_e2e import Client, free_port, start_runner
+
+from ollama_engine.kvcache import Batch, cache_dtype
+from ollama_engine.models import load_model
+from ollama_engine.runner.allocate import LoadParams, open_model
+from ollama_engine.runner.loop import Runner
+from ollama_engine.runner.sequence import SequenceOptions
+from ollama_engine.sample import Sampler
+
+THREADS = 2
+DRIFT = 1e-3  # the issue's bar for "float noise"; measured here: 0.0 (bitwise equal)
+PROMPTS = [
+    "Once upon a time there was a cat",
+    "Once upon a time there was a dog",  # shares a prefix with the first
+    "Once upon a time there was a bird",
+    "The history of the Roman empire began",
+    "In a small village by the sea, there lived a fisherman who had three sons and a very old boat",
+    "Hi",
+    "Write a list of the planets of the solar system, from the closest to the sun to the farthest away:",
+    "Once upon a time there was a king",
+]
+
+
+def logprob_gap(solo: list[dict], batched: list[dict]) -> float:
+    """Largest difference of the chosen and top logprobs over the tokens both runs share."""
+    assert [e["token"] for e in solo] == [e["token"] for e in batched], "the greedy tokens differ"
+    gap = 0.0
+    for a, b in zip(solo, batched, strict=True):
+        gap = max(gap, abs(a["logprob"] - b["logprob"]))
+        for x, y in zip(a["top_logprobs"], b["top_logprobs"], strict=True):
+            assert x["token"] == y["token"]
+            gap = max(gap, abs(x["logprob"] - y["logprob"]))
+    return gap
+
+
+# ---------------------------------------------------------------- in-process: the batch loop itself
+
+
+def complete(runner: Runner, prompt: str, n: int = 16) -> list[dict]:
+    """A greedy completion through the batch loop; its logprobs, token by token."""
+    done, entries = threading.Event(), []
+
+    def sink(piece) -> None:
+        if piece is None:
+            done.set()
+        else:
+            entries.extend(piece.logprobs)
+
+    options = SequenceOptions(sampler=Sampler(temperature=0), num_predict=n, logprobs=True, top_logprobs=3)
+    runner.add(runner.new_sequence(prompt, options), sink)
+    assert done.wait(120), "the completion did not finish"
+    return [{"token": e["token"], "logprob": e["logprob"], "top_logprobs": e["top_logprobs"]} for e in entries]
+
+
+def run_prompts(path: Path, parallel: int, flash: bool, concurrent: bool) -> list[list[dict]]:
+    params = LoadParams(parallel=parallel, batch_size=16, kv_size=256 * parallel, num_threads=THREADS,
+                        flash_attention=flash)
+    loaded = open_model(str(path), params, allocate=True)
+    loaded.model.backend.load()
+    errors: list[BaseException] = []
+    runner = Runner(loaded, errors.append)
+    runner.start()
+    try:
+        if not concurrent:
+            return [complete(runner, prompt) for prompt in PROMPTS]
+        with ThreadPoolExecutor(parallel) as pool:  # as many at once as there are slots
+            return list(pool.map(lambda prompt: complete(runner, prompt), PROMPTS))
+    finally:
+        runner.close()
+        loaded.close()
+        assert not errors
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("parallel", "flash"), [(2, False), (4, False), (8, False), (4, True)])
+def test_batched_logprobs_equal_solo(smollm2_path, parallel, flash):
+    """Prompts of different lengths (several longer than a 16-token batch), with and without shared
+    prefixes, alone one after the other and then `parallel` at a time."""
+    solo = run_prompts(smollm2_path, parallel, flash, concurrent=False)
+    batched = run_prompts(smollm2_path, parallel, flash, concurrent=True)
+    gaps = [logprob_gap(a, b) for a, b in zip(solo, batched, strict=True)]
+    assert max(gaps) <= DRIFT, gaps
+
+
+# ---------------------------------------------------------------- through the runner's HTTP API
+
+
+@pytest.mark.slow
+def test_runner_batched_logprobs_equal_solo(smollm2_path):
+    """The issue's report: a runner with Parallel 2; six completions one at a time, then all at once."""
+    port = free_port()
+    proc = start_runner(smollm2_path, port)
+    client = Client(port)
+    load = {"LoraPath": None, "Parallel": 2, "BatchSize": 512, "FlashAttention": 0, "KvSize": 2048,
+            "KvCacheType": "", "NumThreads": THREADS, "GPULayers": None, "MultiUserCache": False,
+            "ProjectorPath": "", "MainGPU": 0, "UseMmap": False}
+    try:
+        for operation in (0, 1, 2):
+            client.json("POST", "/load", {**load, "Operation": operation})
+        while client.json("GET", "/health")["status"] != 0:
+            pass
+
+        def run(prompt: str) -> list[dict]:
+            status, data = client.request("POST", "/completion", {
+                "Prompt": prompt, "Options": {"num_predict": 24, "temperature": 0}, "Logprobs": True,
+                "TopLogprobs": 2, "Shift": True, "Truncate": True})
+            assert status == 200, data
+            return [e for line in data.splitlines() for e in json.loads(line).get("logprobs", [])]
+
+        prompts = [f"Once upon a time there was a {w}" for w in ("cat", "dog", "bird", "king", "tree", "boat")]
+        solo = [run(prompt) for prompt in prompts]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            batched = list(pool.map(run, prompts))
+    finally:
+        proc.kill()
+        proc.wait()
+    assert max(logprob_gap(a, b) for a, b in zip(solo, batched, strict=True)) <= DRIFT
+
+
+# ---------------------------------------------------------------- against llama.cpp, batch for batch
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("flash", [False, True], ids=["matmul", "flash"])
+def test_multi_sequence_batches_match_llama_cpp(smollm2_path, flash):
+    """Two sequences in every batch (prompts of different lengths, then decoding side by side), fed to
+    llama.cpp with one KV stream per sequence: the same logits, batch for batch."""
+    compare_schedule(smollm2_path, flash, "f16", tolerance=1e-4)
+
+
+def compare_schedule(path: Path, flash: bool, cache_type: str, tolerance: float, steps: int = 8) -> None:
+    """Ours and llama.cpp on the same schedule; every logit within `tolerance`, identical greedy tokens."""
+    from llama_reference import Reference
+
+    model = load_model(path, num_threads=THREADS, flash_attention=flash)
+    model.backend.load()
+    model.cache.init(model.backend, cache_dtype(cache_type), 2, 512, 64)
+    reference = Reference(path, n_ctx=512, n_batch=64, sequences=2, flash_attention=flash,
+                          cache_type=cache_type, threads=THREADS)
+    try:
+        a = model.tokenizer.encode("In a small village by the sea, there lived", add_special=True)
+        b = model.tokenizer.encode("Once upon a time there was a king who", add_special=True)
+        batch = Batch(positions=[*range(len(a)), *range(len(b))], sequences=[0] * len(a) + [1] * len(b),
+                      outputs=[len(a) - 1, len(a) + len(b) - 1], tokens=a + b)
+        for step in range(steps + 1):
+            ours = model.graphs.compute(batch)
+            theirs = reference.decode(batch.tokens, batch.positions, batch.sequences, batch.outputs)
+            difference = np.abs(ours - theirs).max()
+            assert difference < tolerance, f"step {step}: logits differ by {difference}"
+            assert (ours.argmax(axis=1) == theirs.argmax(axis=1)).all(), f"step {step}: greedy tokens differ"
+            a.append(int(ours[0].argmax()))
+            b.append(int(ours[1].argmax()))
+            batch = Batch(positions=[len(a) - 1, len(b) - 1], sequences=[0, 1], outputs=[0, 1],
+                          tokens=[a[-1], b[-1]])
+    finally:
+        reference.close()
+        model.close()
