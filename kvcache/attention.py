@@ -2,7 +2,8 @@
 
 It stores the batch's keys and values in the cache, reads back each sequence's history and mask, and
 runs either ggml's fused flash attention (when the backend enables it) or matmul, softmax and matmul,
-once per sequence of the batch, so that a sequence's result does not depend on its company.
+once per sequence of the batch, so that a sequence's result does not depend on its company. With a
+quantized cache, queries, keys and values are rotated first (see Causal.rotations).
 """
 
 from __future__ import annotations
@@ -28,16 +29,27 @@ def attention(
             raise ValueError("attention without a cache needs the key and the value")
         return _attend(ctx, query, key, value, None, scale, permuted_v=False)
 
-    if key is not None and value is not None:
+    stored = key is not None and value is not None
+    if stored:
+        key_rotation, value_rotation = cache.rotations(ctx, key.ne[0], value.ne[0])
+        if key_rotation is not None:
+            query, key = query.hadamard(key_rotation), key.hadamard(key_rotation)
+        if value_rotation is not None:
+            value = value.hadamard(value_rotation)
         cache.put(ctx, key, value)
     segments = cache.get(ctx)
+    if not stored:  # the cache holds them already, rotated as they were stored
+        v_dim = segments[0].value.ne[1 if cache.config.permuted_v else 0]
+        key_rotation, value_rotation = cache.rotations(ctx, query.ne[0], v_dim)
+        if key_rotation is not None:
+            query = query.hadamard(key_rotation)
     permuted_v = cache.config.permuted_v
     out = None
     for segment in segments:
         rows = query if len(segments) == 1 else _rows(query, segment.begin, segment.count)
         part = _attend(ctx, rows, segment.key, segment.value, segment.mask, scale, permuted_v)
         out = part if out is None else out.concat(part, 2)
-    return out
+    return out.hadamard(value_rotation) if value_rotation is not None else out
 
 
 def _rows(x: Tensor, begin: int, count: int) -> Tensor:

@@ -112,6 +112,10 @@ class Cache(Protocol):
     def put(self, ctx: Context, key: Tensor, value: Tensor) -> None:
         """Store the batch's key (k_head_dim, kv_heads, batch) and value (v_head_dim, kv_heads, batch)."""
 
+    def rotations(self, ctx: Context, k_dim: int, v_dim: int) -> tuple[Tensor | None, Tensor | None]:
+        """Rotations (Walsh-Hadamard matrices) to apply to queries and keys, and to values, before put()
+        (and to the attention output after); None for none."""
+
     def get(self, ctx: Context) -> list[Segment]:
         """The history visible to the batch, one segment per sequence in it."""
 

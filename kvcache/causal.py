@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ollama_engine.ml import Backend, Context, DType, ShapeError, Tensor
+from ollama_engine.ml import Backend, Context, DType, ShapeError, Tensor, hadamard_matrix
 
 from .batch import Batch
 from .cache import (
@@ -243,6 +243,30 @@ class Causal:
     def set_layer(self, layer: int) -> None:
         self._layer = layer
 
+    def rotations(self, ctx: Context, k_dim: int, v_dim: int) -> tuple[Tensor | None, Tensor | None]:
+        """Walsh-Hadamard matrices for queries and keys, and for values, when the cache is quantized.
+
+        As llama.cpp does, keys (with the queries, so their dot products stay the same) and values are
+        rotated before they are quantized into the cache, and the attention output is rotated back: a
+        rotation spreads a head's few large values over all its dimensions, so a 32-wide block no
+        longer rounds away the small values beside a large one. Keys use the largest power of two that
+        divides their size, values 64 (llama.cpp's choices); None where the cache is not quantized or a
+        size is not a multiple of 64.
+        """
+        self._require_init()
+        if self._dtype not in QUANTIZED_TYPES:
+            return None, None
+        k_size = k_dim & -k_dim if k_dim % 64 == 0 else None
+        v_size = 64 if v_dim % 64 == 0 else None
+        return (self._hadamard(ctx, k_size) if k_size else None, self._hadamard(ctx, v_size) if v_size else None)
+
+    def _hadamard(self, ctx: Context, n: int) -> Tensor:
+        """The (n, n) rotation as an input of ctx, created once per context."""
+        key = (self, "hadamard", n)
+        if key not in ctx.bindings:
+            ctx.bindings[key] = ctx.input().from_numpy(hadamard_matrix(n)).set_name(f"hadamard-{n}")
+        return ctx.bindings[key]
+
     def put(self, ctx: Context, key: Tensor, value: Tensor) -> None:
         self._require_bound(ctx)
         n = len(self._batch)
@@ -343,7 +367,14 @@ class Causal:
                 for layer, keys in self._keys.items():
                     view = Tensor(ctx, keys.handle).view(
                         keys.strides[2] * start, (keys.ne[0], keys.ne[1], stop - start))
-                    shifted = self._shift_fn(ctx, layer, view, delta_tensor)
+                    if self._dtype in QUANTIZED_TYPES:  # dequantize, undo the rotation, RoPE, redo, quantize
+                        rotation, _ = self.rotations(ctx, keys.ne[0], 0)
+                        plain = view.cast(DType.F32)
+                        plain = plain.hadamard(rotation) if rotation is not None else plain
+                        shifted = self._shift_fn(ctx, layer, plain, delta_tensor)
+                        shifted = shifted.hadamard(rotation) if rotation is not None else shifted
+                    else:
+                        shifted = self._shift_fn(ctx, layer, view, delta_tensor)
                     ctx.forward(shifted.copy_to(view))
                 ctx.compute()
             i = j

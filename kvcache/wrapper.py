@@ -72,6 +72,9 @@ class Wrapper:
     def put(self, ctx: Context, key: Tensor, value: Tensor) -> None:
         self.underlying().put(ctx, key, value)
 
+    def rotations(self, ctx: Context, k_dim: int, v_dim: int) -> tuple[Tensor | None, Tensor | None]:
+        return self.underlying().rotations(ctx, k_dim, v_dim)
+
     def get(self, ctx: Context) -> list[Segment]:
         return self.underlying().get(ctx)
 

@@ -13,6 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ollama_engine.kvcache import Batch, cache_dtype
+from ollama_engine.models import load_model
+
 CACHE_TYPES = {"f16": 1, "q4_0": 2, "q8_0": 8}  # ggml_type values
 
 
@@ -65,3 +68,45 @@ class Reference:
         self.lib.llama_batch_free(self.batch)
         self.lib.llama_free(self.ctx)
         self.lib.llama_model_free(self.model)
+
+
+PROMPTS = ("In a small village by the sea, there lived", "Once upon a time there was a king who")
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits.astype(np.float64) - logits.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def compare_schedule(path: Path, *, flash: bool, cache_type: str, sequences: int, steps: int = 8,
+                     tolerance: float = 1e-4, threads: int = 2) -> float:
+    """Ours and llama.cpp on one schedule: the prompts of `sequences` sequences (different lengths) in
+    one batch, then `steps` batches decoding one token for each. Every logprob within `tolerance` and
+    identical greedy tokens; returns the largest logprob difference seen."""
+    model = load_model(path, num_threads=threads, flash_attention=flash)
+    model.backend.load()
+    model.cache.init(model.backend, cache_dtype(cache_type), sequences, 512, 64)
+    reference = Reference(path, n_ctx=512, n_batch=64, sequences=sequences, flash_attention=flash,
+                          cache_type=cache_type, threads=threads)
+    worst = 0.0
+    try:
+        texts = [model.tokenizer.encode(prompt, add_special=True) for prompt in PROMPTS[:sequences]]
+        ends = np.cumsum([len(t) for t in texts]) - 1
+        batch = Batch(positions=[p for t in texts for p in range(len(t))],
+                      sequences=[s for s, t in enumerate(texts) for _ in t], outputs=ends,
+                      tokens=[token for t in texts for token in t])
+        for step in range(steps + 1):
+            ours = model.graphs.compute(batch)
+            theirs = reference.decode(batch.tokens, batch.positions, batch.sequences, batch.outputs)
+            difference = float(np.abs(log_softmax(ours) - log_softmax(theirs)).max())
+            worst = max(worst, difference)
+            assert difference < tolerance, f"step {step}: logprobs differ by {difference}"
+            assert (ours.argmax(axis=1) == theirs.argmax(axis=1)).all(), f"step {step}: greedy tokens differ"
+            for text, row in zip(texts, ours, strict=True):
+                text.append(int(row.argmax()))
+            batch = Batch(positions=[len(t) - 1 for t in texts], sequences=range(sequences),
+                          outputs=range(sequences), tokens=[t[-1] for t in texts])
+    finally:
+        reference.close()
+        model.close()
+    return worst

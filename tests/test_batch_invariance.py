@@ -13,12 +13,10 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
 import pytest
+from llama_reference import compare_schedule
 from test_runner_e2e import Client, free_port, start_runner
 
-from ollama_engine.kvcache import Batch, cache_dtype
-from ollama_engine.models import load_model
 from ollama_engine.runner.allocate import LoadParams, open_model
 from ollama_engine.runner.loop import Runner
 from ollama_engine.runner.sequence import SequenceOptions
@@ -142,33 +140,4 @@ def test_runner_batched_logprobs_equal_solo(smollm2_path):
 def test_multi_sequence_batches_match_llama_cpp(smollm2_path, flash):
     """Two sequences in every batch (prompts of different lengths, then decoding side by side), fed to
     llama.cpp with one KV stream per sequence: the same logits, batch for batch."""
-    compare_schedule(smollm2_path, flash, "f16", tolerance=1e-4)
-
-
-def compare_schedule(path: Path, flash: bool, cache_type: str, tolerance: float, steps: int = 8) -> None:
-    """Ours and llama.cpp on the same schedule; every logit within `tolerance`, identical greedy tokens."""
-    from llama_reference import Reference
-
-    model = load_model(path, num_threads=THREADS, flash_attention=flash)
-    model.backend.load()
-    model.cache.init(model.backend, cache_dtype(cache_type), 2, 512, 64)
-    reference = Reference(path, n_ctx=512, n_batch=64, sequences=2, flash_attention=flash,
-                          cache_type=cache_type, threads=THREADS)
-    try:
-        a = model.tokenizer.encode("In a small village by the sea, there lived", add_special=True)
-        b = model.tokenizer.encode("Once upon a time there was a king who", add_special=True)
-        batch = Batch(positions=[*range(len(a)), *range(len(b))], sequences=[0] * len(a) + [1] * len(b),
-                      outputs=[len(a) - 1, len(a) + len(b) - 1], tokens=a + b)
-        for step in range(steps + 1):
-            ours = model.graphs.compute(batch)
-            theirs = reference.decode(batch.tokens, batch.positions, batch.sequences, batch.outputs)
-            difference = np.abs(ours - theirs).max()
-            assert difference < tolerance, f"step {step}: logits differ by {difference}"
-            assert (ours.argmax(axis=1) == theirs.argmax(axis=1)).all(), f"step {step}: greedy tokens differ"
-            a.append(int(ours[0].argmax()))
-            b.append(int(ours[1].argmax()))
-            batch = Batch(positions=[len(a) - 1, len(b) - 1], sequences=[0, 1], outputs=[0, 1],
-                          tokens=[a[-1], b[-1]])
-    finally:
-        reference.close()
-        model.close()
+    compare_schedule(smollm2_path, flash=flash, cache_type="f16", sequences=2)

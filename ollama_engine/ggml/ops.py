@@ -11,6 +11,7 @@ set_rows = lib.ggml_set_rows
 mul_mat = lib.ggml_mul_mat
 mul_mat_id = lib.ggml_mul_mat_id
 mul_mat_set_prec = lib.ggml_mul_mat_set_prec
+mul_mat_set_hint = lib.ggml_mul_mat_set_hint
 add = lib.ggml_add
 add_id = lib.ggml_add_id
 sub = lib.ggml_sub
@@ -84,6 +85,7 @@ graph_get_tensor = lib.ggml_graph_get_tensor
 
 # enum values used as op arguments
 PREC_F32 = lib.GGML_PREC_F32
+HINT_SRC0_IS_HADAMARD = lib.GGML_HINT_SRC0_IS_HADAMARD
 SORT_ASC = lib.GGML_SORT_ORDER_ASC
 SORT_DESC = lib.GGML_SORT_ORDER_DESC
 ROPE_TYPE_NORMAL = 0

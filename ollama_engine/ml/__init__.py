@@ -7,10 +7,10 @@ from .backend import Backend, Placement
 from .context import Context
 from .device import Device, cpu_device, devices, gpu_devices
 from .memory import BackendMemory, DeviceID, DeviceMemory, GPULayers, GPULayersList, NoMemory
-from .tensor import DType, RopeOptions, ShapeError, Tensor
+from .tensor import DType, RopeOptions, ShapeError, Tensor, hadamard_matrix
 
 __all__ = [
     "Backend", "BackendMemory", "Context", "DType", "Device", "DeviceID", "DeviceMemory", "GPULayers",
     "GPULayersList", "NoMemory", "Placement", "RopeOptions", "ShapeError", "Tensor", "cpu_device", "devices",
-    "gpu_devices",
+    "gpu_devices", "hadamard_matrix",
 ]

@@ -164,6 +164,21 @@ class Tensor:
         ops.mul_mat_set_prec(out.handle, ops.PREC_F32)
         return out
 
+    def hadamard(self, matrix: Tensor) -> Tensor:
+        """Rotate every n-wide group of the fastest dimension by the Walsh-Hadamard matrix (n, n).
+
+        The matrix must be hadamard_matrix(n): ggml's CPU and CUDA backends compute the product as a
+        fast transform (O(n log n)) without reading it. The matrix is its own inverse.
+        """
+        n = matrix.ne[0]
+        if matrix.ne[:2] != (n, n) or n & (n - 1) or self.ne[0] % n or matrix.dtype != DType.F32:
+            raise ShapeError(f"hadamard: {self.shape} by {matrix.shape} ({matrix.dtype.name})")
+        rows = (self if ggml.is_contiguous(self.handle) else self.contiguous()).reshape(n, self.element_count() // n)
+        ctx = self._graph(matrix)
+        rotated = Tensor(ctx, ops.mul_mat(ctx.handle, matrix.handle, rows.handle))
+        ops.mul_mat_set_hint(rotated.handle, ops.HINT_SRC0_IS_HADAMARD)
+        return rotated.reshape(*self.shape)
+
     def matmul_id(self, other: Tensor, ids: Tensor) -> Tensor:
         """Experts self (K, M, n_expert) applied to other (K, n_used or 1, N) as chosen by ids (n_used, N)."""
         if ids.dtype != DType.I32:
@@ -417,3 +432,13 @@ class Tensor:
         like._check_broadcast(self, "repeat")
         ctx = self._graph(like)
         return Tensor(ctx, ops.repeat(ctx.handle, self.handle, like.handle))
+
+
+def hadamard_matrix(n: int) -> np.ndarray:
+    """The orthonormal Walsh-Hadamard matrix of size n (a power of two), Sylvester's construction."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"a Hadamard matrix needs a power of two, got {n}")
+    matrix = np.full((1, 1), np.float32(1.0 / float(np.sqrt(np.float32(n)))), dtype=np.float32)
+    while len(matrix) < n:
+        matrix = np.block([[matrix, matrix], [matrix, -matrix]])
+    return matrix
