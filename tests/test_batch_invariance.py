@@ -27,10 +27,8 @@ DRIFT = 1e-3  # the issue's bar for "float noise"; measured here: 0.0 (bitwise e
 PROMPTS = [
     "Once upon a time there was a cat",
     "Once upon a time there was a dog",  # shares a prefix with the first
-    "Once upon a time there was a bird",
     "The history of the Roman empire began",
     "In a small village by the sea, there lived a fisherman who had three sons and a very old boat",
-    "Hi",
     "Write a list of the planets of the solar system, from the closest to the sun to the farthest away:",
     "Once upon a time there was a king",
 ]
@@ -51,7 +49,7 @@ def logprob_gap(solo: list[dict], batched: list[dict]) -> float:
 # ---------------------------------------------------------------- in-process: the batch loop itself
 
 
-def complete(runner: Runner, prompt: str, n: int = 16) -> list[dict]:
+def complete(runner: Runner, prompt: str, n: int = 12) -> list[dict]:
     """A greedy completion through the batch loop; its logprobs, token by token."""
     done, entries = threading.Event(), []
 
@@ -87,7 +85,7 @@ def run_prompts(path: Path, parallel: int, flash: bool, concurrent: bool) -> lis
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("parallel", "flash"), [(2, False), (4, False), (8, False), (4, True)])
+@pytest.mark.parametrize(("parallel", "flash"), [(2, False), (8, False), (4, True)])
 def test_batched_logprobs_equal_solo(smollm2_path, parallel, flash):
     """Prompts of different lengths (several longer than a 16-token batch), with and without shared
     prefixes, alone one after the other and then `parallel` at a time."""

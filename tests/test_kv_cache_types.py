@@ -101,3 +101,41 @@ def test_hadamard_rotation_is_orthonormal_and_matches_numpy():
         expected = (x.reshape(-1, 64) @ matrix.T).reshape(x.shape)
         np.testing.assert_allclose(rotated.numpy(), expected, atol=1e-5)
         np.testing.assert_allclose(back.numpy(), x, atol=1e-5)
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("cache_type", ["q8_0", "q4_0"])
+def test_context_shift_of_a_quantized_cache_matches_llama_cpp(smollm2_path, cache_type):
+    """Drop positions [3, 8) and move the rest down in both engines: rotated, quantized keys are
+    dequantized, rotated back, re-rotated by RoPE, rotated and quantized again, as llama.cpp does."""
+    from llama_reference import Reference, log_softmax
+
+    from ollama_engine.kvcache import cache_dtype
+    from ollama_engine.models import load_model
+
+    keep, discard = 3, 5
+    model = load_model(smollm2_path, num_threads=2, flash_attention=True)
+    model.backend.load()
+    model.cache.init(model.backend, cache_dtype(cache_type), 1, 512, 64)
+    reference = Reference(smollm2_path, n_ctx=512, n_batch=64, flash_attention=True, cache_type=cache_type)
+    try:
+        tokens = model.tokenizer.encode("In a small village by the sea, there lived a fisherman", add_special=True)
+        n = len(tokens)
+        ours = model.graphs.compute(Batch(positions=range(n), sequences=[0] * n, outputs=[n - 1], tokens=tokens))
+        theirs = reference.decode(tokens, range(n), [0] * n, [n - 1])
+        model.cache.remove(0, keep, keep + discard)
+        lib = reference.lib
+        memory = lib.llama_get_memory(reference.ctx)
+        assert lib.llama_memory_seq_rm(memory, 0, keep, keep + discard)
+        lib.llama_memory_seq_add(memory, 0, keep + discard, -1, -discard)
+        position = n - discard
+        for _ in range(6):
+            token = int(ours[0].argmax())
+            assert token == int(theirs[0].argmax())
+            ours = model.graphs.compute(Batch(positions=[position], sequences=[0], outputs=[0], tokens=[token]))
+            theirs = reference.decode([token], [position], [0], [0])
+            assert np.abs(log_softmax(ours) - log_softmax(theirs)).max() < 1e-4
+            position += 1
+    finally:
+        reference.close()
+        model.close()
