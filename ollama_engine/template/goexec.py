@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime
 import re
 from collections.abc import Callable
-from decimal import Decimal
 from typing import Any
 
 from ollama_engine.template.gojson import GoStruct, go_float, go_json
@@ -102,12 +101,7 @@ def _inner_text(value: Any) -> str:
 
 
 def _float_text(x: float) -> str:
-    """%v of a float64: shortest digits, exponent form below 1e-4 or from 1e21 (e.g. 1e-05)."""
-    if x != 0 and (abs(x) < 1e-4 or abs(x) >= 1e21):
-        mantissa, exp = format(Decimal(repr(x)).normalize(), "e").split("e")
-        sign = "-" if exp.startswith("-") else "+"
-        return f"{mantissa}e{sign}{exp.lstrip('+-').zfill(2)}"
-    return go_float(x)
+    return go_float(x, verb="v")
 
 
 def _compare_key(a: Any, b: Any) -> tuple[Any, Any]:

@@ -41,22 +41,26 @@ def go_string(s: str) -> str:
     return '"' + "".join(out) + '"'
 
 
-def go_float(x: float, float32: bool = False) -> str:
-    """strconv.FormatFloat(x, 'f' or 'e', -1, bits) as encoding/json chooses: shortest digits that round-trip."""
+def go_float(x: float, float32: bool = False, verb: str = "json") -> str:
+    """A float as Go prints it, with the shortest digits that round-trip.
+
+    verb "json": encoding/json (positional from 1e-6 up to 1e21, `1e-7`, `1e+21`); verb "v": fmt's %v
+    (positional from 1e-4 up to 1e6, `1e-05`, `1e+06`).
+    """
     if math.isnan(x) or math.isinf(x):
         raise ValueError(f"json: unsupported value: {x}")
     if x == 0:
         return "-0" if math.copysign(1, x) < 0 else "0"
-    digits = np.format_float_scientific(np.float32(x), unique=True) if float32 else repr(float(x))
-    d = Decimal(digits)
-    if 1e-6 <= abs(x) < 1e21:
+    d = Decimal(np.format_float_scientific(np.float32(x), unique=True) if float32 else repr(float(x)))
+    low, high = (-6, 21) if verb == "json" else (-4, 6)
+    if low <= d.adjusted() < high:
         text = format(d, "f")
         return text[:-2] if text.endswith(".0") else text
     mantissa, exp = format(d.normalize(), "e").split("e")
-    digits_exp = exp.lstrip("+-").lstrip("0") or "0"
-    if exp.startswith("-"):  # encoding/json shortens e-07 to e-7, but keeps e+21
-        return f"{mantissa}e-{digits_exp}"
-    return f"{mantissa}e+{digits_exp.zfill(2)}"
+    digits = exp.lstrip("+-").lstrip("0") or "0"
+    if exp.startswith("-"):
+        return f"{mantissa}e-{digits if verb == 'json' else digits.zfill(2)}"  # encoding/json writes e-7
+    return f"{mantissa}e+{digits.zfill(2)}"
 
 
 def go_json(value: Any) -> str:
