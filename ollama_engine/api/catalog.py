@@ -27,7 +27,9 @@ from ollama_engine.template import (
 )
 from ollama_engine.tokenizer import Tokenizer, Vocabulary, from_metadata
 
-from .models import ModelNotFoundError
+
+class ModelNotFoundError(LookupError):
+    """No GGUF file and no stored model under this name (404)."""
 
 
 class GGUFView:

@@ -20,9 +20,8 @@ from aiohttp import web
 from ollama_engine.sched import Context, Scheduler
 from ollama_engine.template import ToolCallStream
 
-from .catalog import Catalog, Entry
+from .catalog import Catalog, Entry, ModelNotFoundError
 from .completion import Chunks, Job, completion_extra, metrics, respond_ndjson, runner_chunks
-from .models import ModelNotFoundError
 from .native import ApiError, created_at, json_response, parse_keep_alive, read_json, schedule
 from .prompt import (
     ThinkingSplitter,

@@ -16,8 +16,7 @@ from aiohttp import web
 
 from ollama_engine.sched import Context, Options, RunnerFailedError, RunnerRef, Scheduler, StatusError
 
-from .catalog import Catalog, Entry
-from .models import ModelNotFoundError
+from .catalog import Catalog, Entry, ModelNotFoundError
 from .native import ApiError, json_response, parse_keep_alive, read_json, schedule
 from .prompt import request_options
 

@@ -17,9 +17,8 @@ from aiohttp import web
 from ollama_engine.sched import Scheduler
 from ollama_engine.store import ModelNotFound, Store, StoreError, check_digest
 
-from .catalog import Catalog
+from .catalog import Catalog, ModelNotFoundError
 from .completion import respond_ndjson
-from .models import ModelNotFoundError
 from .native import ApiError, json_response, read_json
 from .pull import pull_model
 

@@ -34,7 +34,7 @@ from ollama_engine.sched import (
 from ollama_engine.sched.types import RUNNER_OPTIONS
 from ollama_engine.server.wire import encode
 
-from .models import ModelNotFoundError
+from .catalog import ModelNotFoundError
 
 log = logging.getLogger(__name__)
 
