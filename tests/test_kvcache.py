@@ -24,7 +24,7 @@ from ollama_engine.kvcache import (
     attention,
     cache_dtype,
 )
-from ollama_engine.ml import Backend, DType
+from ollama_engine.ml import Backend, DType, ShapeError
 
 PERMUTED = pytest.mark.parametrize("permuted_v", [False, True], ids=["plain-v", "permuted-v"])
 
@@ -557,3 +557,110 @@ def test_attention_without_cache(backend, fa_backend, flash):
         weights = np.exp(group - group.max(-1, keepdims=True))
         weights /= weights.sum(-1, keepdims=True)
         np.testing.assert_allclose(out.numpy(), np.einsum("hqk,khd->qhd", weights, v), atol=2e-3)
+
+
+# ---------------------------------------------------------------- per-sequence regions, rotations, checks
+
+
+def test_arguments_are_checked(backend):
+    with pytest.raises(ValueError, match="window_size must be at least 1"):
+        Causal(window_size=0)
+    Causal(window_size=2, memory_size=2)  # memory equal to the window is enough
+    with pytest.raises(ValueError, match="cache sizes must be positive"):
+        Causal().init(backend, DType.F16, 1, 0, 4)
+    cache = new_cache(backend, Causal(add_shift), False, max_sequences=2)
+    store(backend, cache, [0, 1, 2])
+    for begin, end in ((-1, None), (3, 2)):
+        with pytest.raises(ValueError, match="cannot remove positions"):
+            cache.remove(0, begin, end)
+    cache.remove(0, 2, 2)  # an empty range removes nothing
+    cache.remove(2, 0)  # a sequence the cache does not have: nothing to do
+    key, *_ = forward(backend, cache, [9.0], (1, 1, 1), [0], [3])
+    np.testing.assert_array_equal(key.reshape(-1), [0, 1, 2, 9])
+    with pytest.raises(ValueError, match="hold each sequence's tokens together"):
+        cache.prepare(Batch(positions=[4, 0, 5], sequences=[0, 1, 0]))
+
+
+def test_put_checks_shapes_and_binding(backend):
+    cache = new_cache(backend, Causal(), False)
+    with backend.new_context() as ctx:
+        cache.start_forward(ctx, Batch(positions=[0, 1], sequences=[0, 0]))
+        cache.set_layer(0)
+        two = ctx.input().from_numpy(np.zeros((2, 1, 4), dtype=np.float32))
+        with pytest.raises(ShapeError, match="for a batch of 2"):
+            cache.put(ctx, two, ctx.input().from_numpy(np.zeros((3, 1, 4), dtype=np.float32)))
+        cache.put(ctx, two, two)
+        with pytest.raises(ShapeError, match="differ from layer 0"):
+            cache.put(ctx, two, ctx.input().from_numpy(np.zeros((2, 2, 2), dtype=np.float32)))
+    cache.prepare(Batch(positions=[2], sequences=[0]))
+    with backend.new_context() as other, pytest.raises(RuntimeError, match="not bound"):
+        cache.get(other)
+
+
+def test_sequences_with_several_heads_read_their_own_region(backend):
+    """Sequence 1's history starts a region in: the views must step over whole cells."""
+    cache = new_cache(backend, Causal(), False, max_sequences=2)
+    values = [float(100 * t + 10 * h + d) for t in range(4) for h in range(3) for d in range(2)]
+    run(backend, cache, Step(values, (2, 3, 4), [0, 0, 1, 1], [0, 1, 0, 1], [
+        Seen(values[:12], (2, 3, 2), mask_rows("0 x", "0 0")),
+        Seen(values[12:], (2, 3, 2), mask_rows("0 x", "0 0")),
+    ]))
+
+
+def test_copy_prefix_within_a_sequence_truncates(backend):
+    cache = new_cache(backend, Causal(), False, max_sequences=2)
+    store(backend, cache, [0, 1, 2, 3])
+    cache.copy_prefix(0, 0, 2)
+    _, _, _, mask = forward(backend, cache, [5.0], (1, 1, 1), [0], [2])
+    np.testing.assert_array_equal(mask, mask_rows("0 0 0"))  # cells 2, 3 are free again and cell 2 is reused
+
+
+@pytest.fixture(scope="module")
+def quantized_cache_backend(tmp_path_factory):
+    path = write_synthetic(tmp_path_factory.mktemp("kv-q") / "qwen2-64.gguf", "qwen2", n_embd=256, n_head=4,
+                           n_head_kv=2)
+    with Backend(GGUFFile.open(path), flash_attention=True) as b:
+        yield b
+
+
+def test_rotations_only_for_quantized_caches(backend, quantized_cache_backend):
+    f16 = new_cache(backend, Causal(), False)
+    q8 = Causal()
+    q8.set_config(CacheConfig())
+    q8.init(quantized_cache_backend, DType.Q8_0, 1, 16, 16)
+    with quantized_cache_backend.new_context() as ctx:
+        assert f16.rotations(ctx, 128, 128) == (None, None)
+        sizes = {dims: tuple(t.ne[0] if t is not None else None for t in q8.rotations(ctx, *dims))
+                 for dims in ((128, 128), (192, 64), (96, 80), (64, 32))}
+        assert sizes == {(128, 128): (128, 64), (192, 64): (64, 64), (96, 80): (None, None), (64, 32): (64, None)}
+        assert q8.rotations(ctx, 64, 64)[0] is q8.rotations(ctx, 64, 64)[0]  # one input per context
+
+
+def test_shift_of_rotated_quantized_keys(quantized_cache_backend):
+    """Quantized keys are stored rotated: a shift dequantizes, rotates back, applies RoPE, rotates again."""
+    backend, head_dim, heads, n = quantized_cache_backend, 64, 2, 6
+
+    def rope(key, positions):
+        return key.rope(positions, head_dim, 10000.0)
+
+    cache = Causal(lambda ctx, layer, key, delta: rope(key, delta))
+    cache.set_config(CacheConfig())
+    cache.init(backend, DType.Q8_0, 1, 16, 16)
+    cache.set_layer(0)
+    raw = np.random.default_rng(1).standard_normal((n, heads, head_dim)).astype(np.float32)
+    with backend.new_context() as ctx:
+        cache.start_forward(ctx, Batch(positions=range(n), sequences=[0] * n))
+        rotation, _ = cache.rotations(ctx, head_dim, head_dim)
+        key = rope(ctx.input().from_numpy(raw), ctx.input().from_ints(range(n), n)).hadamard(rotation)
+        cache.put(ctx, key, key)
+        ctx.compute()
+    cache.remove(0, 1, 3)
+    with backend.new_context() as ctx:
+        cache.start_forward(ctx, Batch(positions=[4], sequences=[0]))
+        rotation, _ = cache.rotations(ctx, head_dim, head_dim)
+        zero = ctx.input().from_numpy(np.zeros((1, heads, head_dim), dtype=np.float32))
+        cache.put(ctx, zero, zero)
+        stored = cache.get(ctx)[0].key.cast(DType.F32).hadamard(rotation)
+        expected = rope(ctx.input().from_numpy(raw[[0, 3, 4, 5]]), ctx.input().from_ints([0, 1, 2, 3], 4)).contiguous()
+        ctx.compute(stored, expected)
+        np.testing.assert_allclose(stored.numpy()[[0, 3, 4, 5]], expected.numpy(), atol=0.05)
