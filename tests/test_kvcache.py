@@ -664,3 +664,34 @@ def test_shift_of_rotated_quantized_keys(quantized_cache_backend):
         expected = rope(ctx.input().from_numpy(raw[[0, 3, 4, 5]]), ctx.input().from_ints([0, 1, 2, 3], 4)).contiguous()
         ctx.compute(stored, expected)
         np.testing.assert_allclose(stored.numpy()[[0, 3, 4, 5]], expected.numpy(), atol=0.05)
+
+
+def test_lifecycle_bindings_and_edges(backend):
+    cache = new_cache(backend, Causal(), False)
+    store(backend, cache, [0, 1, 2])
+    cache.remove(0, 1, 1)  # an empty range: nothing moves, so a model without shift is fine
+    cache.close()
+    cache.init(backend, DType.F16, 1, 16, 16)  # closed: it can be initialised again
+    half = Causal()
+    half.set_config(CacheConfig(mask_dtype=DType.F16))
+    half.init(backend, DType.F16, 1, 16, 16)
+    with backend.new_context() as ctx:
+        half.start_forward(ctx, Batch(positions=[0], sequences=[0]))
+        half.set_layer(0)
+        kv = ctx.input().from_numpy(np.zeros((1, 1, 4), dtype=np.float32))
+        half.put(ctx, kv, kv)
+        assert half.get(ctx)[0].mask.dtype == DType.F16
+        # a second batch of another layout in the same context gets inputs of its own size
+        half.prepare(Batch(positions=[1, 2], sequences=[0, 0]))
+        half.bind(ctx)
+        half.put(ctx, ctx.input().from_numpy(np.zeros((2, 1, 4), dtype=np.float32)),
+                 ctx.input().from_numpy(np.zeros((2, 1, 4), dtype=np.float32)))
+        mask = half.get(ctx)[0].mask
+        ctx.compute(mask)
+        np.testing.assert_array_equal(mask.numpy().astype(np.float32), mask_rows("0 0 x", "0 0 0"))
+        with pytest.raises(ShapeError, match="differ from layer 0"):
+            wider = ctx.input().from_numpy(np.zeros((2, 1, 8), dtype=np.float32))
+            half.put(ctx, wider, ctx.input().from_numpy(np.zeros((2, 1, 4), dtype=np.float32)))
+    swa = new_cache(backend, Causal(window_size=2), False)
+    store(backend, swa, [0, 1, 2, 3, 4])
+    assert swa.can_resume(0, 5) and not swa.can_resume(0, 6)  # at most one past the last stored position

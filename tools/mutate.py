@@ -60,6 +60,41 @@ TARGETS = {
 
 # (module, the original line stripped, the mutated line stripped) -> why no test can tell them apart.
 EQUIVALENT: dict[tuple[str, str, str], str] = {
+    ("causal", "for i in range(1, len(sequences) + 1):", "for i in range(0, len(sequences) + 1):"):
+        "at i = 0 the first sequence equals itself: no run ends",
+    ("causal", "if len(runs) > 1 and len({seq for seq, _, _ in runs}) != len(runs):",
+     "if len(runs) > 0 and len({seq for seq, _, _ in runs}) != len(runs):"):
+        "one run always has a unique sequence",
+    ("causal", "if len(runs) > 1 and len({seq for seq, _, _ in runs}) != len(runs):",
+     "if len(runs) >= 1 and len({seq for seq, _, _ in runs}) != len(runs):"):
+        "one run always has a unique sequence",
+    ("causal", "if len(runs) > 1 and len({seq for seq, _, _ in runs}) != len(runs):",
+     "if len({seq for seq, _, _ in runs}) != len(runs):"):
+        "one run always has a unique sequence",
+    ("causal", "if len(runs) > 1 and len({seq for seq, _, _ in runs}) != len(runs):",
+     "if len(runs) > 2 and len({seq for seq, _, _ in runs}) != len(runs):"):
+        "two runs are of different sequences (adjacent runs differ by construction)",
+    ("causal", "first = int(positions[0]) if count == 1 else int(positions.min())",
+     "first = int(positions[0]) if count == 0 else int(positions.min())"):
+        "for one position, min() is that position",
+    ("causal", "first = int(positions[0]) if count == 1 else int(positions.min())",
+     "first = int(positions[0]) if count == 2 else int(positions.min())"):
+        "for one position, min() is that position; a batch's positions for a sequence increase",
+    ("causal", "first = int(positions[0]) if count == 1 else int(positions.min())",
+     "first = int(positions[0]) if count != 1 else int(positions.min())"):
+        "a batch's positions for a sequence increase, so the first is the smallest",
+    ("causal", "if count == 1:  # a decode step: one pass over the region, scalar stores",
+     "if count == 0:  # a decode step: one pass over the region, scalar stores"):
+        "the general path places one token in the same cell (a fast path only)",
+    ("causal", "self._layer = 0", "self._layer = 1"):
+        "every put/get follows a set_layer",
+    ("causal", "self._pos[dst] = np.where(copied, self._pos[src], 0)",
+     "self._pos[dst] = np.where(copied, self._pos[src], 1)"):
+        "the position of a cell not in use is never read",
+    ("causal", "rotation, _ = self.rotations(ctx, keys.ne[0], 0)", "rotation, _ = self.rotations(ctx, keys.ne[0], 1)"):
+        "the value rotation is not used by a shift",
+    ("causal", "stop = int(cells[j - 1]) + 1", "stop = int(cells[j - 1]) + 2"):
+        "the extra cell is shifted by a delta of 0",
     ("layout", "num_gpu: int = -1,", "num_gpu: int = -2,"):
         "every use asks only whether num_gpu is negative",
     ("layout", "free = gpu.free_memory - reserved if gpu.free_memory > reserved else 0",
