@@ -262,8 +262,13 @@ class Tensor:
         handle = ops.soft_max_ext(ctx.handle, self.handle, mask.handle if mask is not None else ggml.NULL, scale, 0.0)
         return Tensor(ctx, handle)
 
-    def flash_attention(self, key: Tensor, value: Tensor, mask: Tensor | None, scale: float) -> Tensor:
-        """Fused attention; q (d, n_q, heads), k/v (d, n_kv, kv_heads) -> (d_v, heads, n_q)."""
+    def flash_attention(
+        self, key: Tensor, value: Tensor, mask: Tensor | None, scale: float, softcap: float = 0.0
+    ) -> Tensor:
+        """Fused attention; q (d, n_q, heads), k/v (d, n_kv, kv_heads) -> (d_v, heads, n_q).
+
+        softcap > 0 caps the scores as softcap * tanh(scores / softcap) before the softmax (Gemma 2).
+        """
         q, k, v = self.ne, key.ne, value.ne
         if q[0] != k[0] or k[1] != v[1] or q[2] % k[2] or k[2] != v[2]:
             raise ShapeError(f"flash_attention: q {self.shape}, k {key.shape}, v {value.shape}")
@@ -272,7 +277,7 @@ class Tensor:
         ctx = self._graph(key, value, mask)
         handle = ops.flash_attn_ext(
             ctx.handle, self.handle, key.handle, value.handle, mask.handle if mask is not None else ggml.NULL,
-            scale, 0.0, 0.0,
+            scale, 0.0, softcap,
         )
         ops.flash_attn_ext_set_prec(handle, ops.PREC_F32)
         return Tensor(ctx, handle)
