@@ -5,11 +5,12 @@ Steps (each skipped when its output is already up to date):
   1. source:  pip downloads the sdist pinned in vendor/ggml-source.json, checks its sha256, extracts it
               under build/src/ (or --source DIR uses a llama.cpp tree already on disk);
   2. ggml:    CMake configures the llama.cpp root with everything but ggml switched off and builds the
-              `ggml` target as shared libraries, copied to ollama_engine/ggml/lib/;
-  3. cffi:    the declarations of ggml.h, ggml-alloc.h, ggml-backend.h, ggml-cpu.h and gguf.h are taken
-              from the preprocessed headers and compiled in cffi API mode, so the C compiler checks every
-              one of them against the real headers; with them a few lines of our own C (a CPU buffer
-              type that puts tensors on cache lines, CACHE_LINE_BUFFER_TYPE below).
+              `ggml` target as shared libraries, copied to ollama_engine/ggml/lib/; ggml's RPC backend
+              (layers on other hosts) is part of it unless --no-rpc;
+  3. cffi:    the declarations of ggml.h, ggml-alloc.h, ggml-backend.h, ggml-cpu.h, gguf.h (and ggml-rpc.h)
+              are taken from the preprocessed headers and compiled in cffi API mode, so the C compiler checks
+              every one of them against the real headers; with them a few lines of our own C (a CPU buffer
+              type that puts tensors on cache lines, CACHE_LINE_BUFFER_TYPE below, and ERROR_PREFIXED_ABORT).
 
 A second run with nothing changed only compares a stamp file and returns in well under a second.
 """
@@ -38,6 +39,7 @@ STAMP = BUILD / "build-stamp.json"
 SOURCE_MARKER = BUILD / "source-path.txt"
 MODULE = "_ggml_cffi"
 HEADERS = ["ggml.h", "ggml-alloc.h", "ggml-backend.h", "ggml-cpu.h", "gguf.h"]
+RPC_HEADER = "ggml-rpc.h"
 LLAMA_OFF = [
     "LLAMA_BUILD_TESTS",
     "LLAMA_BUILD_EXAMPLES",
@@ -141,6 +143,8 @@ def cmake_options(args: argparse.Namespace) -> list[str]:
         options += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={cuda_architectures(args.cuda_arch)}"]
     if args.vulkan:
         options.append("-DGGML_VULKAN=ON")
+    # RDMA off: it would link libibverbs wherever CMake finds it, and TCP is what every host has
+    options += ["-DGGML_RPC=ON", "-DGGML_RPC_RDMA=OFF"] if args.rpc else ["-DGGML_RPC=OFF"]
     return options + list(args.cmake_arg)
 
 
@@ -216,12 +220,12 @@ def drop_undefined_functions(source: str, is_exported: Callable[[str], bool]) ->
     return "".join(kept)
 
 
-def header_declarations(include_dir: Path, is_exported: Callable[[str], bool]) -> str:
-    """The C declarations of our headers, preprocessed, without system headers, in cffi's cdef dialect."""
+def header_declarations(include_dir: Path, is_exported: Callable[[str], bool], headers: list[str]) -> str:
+    """The C declarations of these headers, preprocessed, without system headers, in cffi's cdef dialect."""
     compiler = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if not compiler:
         raise BuildError("no C compiler found for preprocessing the ggml headers")
-    umbrella = "".join(f'#include "{h}"\n' for h in HEADERS)
+    umbrella = "".join(f'#include "{h}"\n' for h in headers)
     result = subprocess.run([compiler, "-E", "-I", str(include_dir), "-D__attribute__(x)=", "-"],
                             input=umbrella, capture_output=True, text=True)
     if result.returncode != 0:
@@ -230,7 +234,7 @@ def header_declarations(include_dir: Path, is_exported: Callable[[str], bool]) -
     for line in result.stdout.splitlines():
         marker = re.match(r'# \d+ "([^"]+)"', line)
         if marker:
-            keep = Path(marker.group(1)).name in HEADERS
+            keep = Path(marker.group(1)).name in headers
             continue
         if keep:
             kept.append(line)
@@ -274,16 +278,39 @@ static ggml_backend_buffer_type_t cpu_cache_line_buffer_type(void) {
 """
 
 
+# ggml aborts the process on a failed assertion or a lost RPC connection, after printing the bare message. Our
+# runner's parent reports a crashed runner by its stderr lines that start with "error:" (as Ollama's does); with
+# this prefix a vanished RPC host is reported as such rather than as "exit code -6".
+ERROR_PREFIXED_ABORT = """
+#include <stdio.h>
+
+void ggml_print_backtrace(void);  /* ggml-impl.h: exported by libggml-base, not in the public headers */
+
+static void error_prefixed_abort(const char * message) {
+    fprintf(stderr, "error: ggml aborted: %s\\n", message);
+    fflush(stderr);
+    ggml_print_backtrace();  /* what ggml prints without a callback */
+}
+
+static void abort_with_error_prefix(void) { ggml_set_abort_callback(error_prefixed_abort); }
+"""
+
+
 def compile_bindings(tree: Path, libraries: list[str]) -> None:
     import cffi
 
     include_dir = tree / "ggml" / "include"
+    headers = HEADERS + ([RPC_HEADER] if "ggml-rpc" in libraries else [])
     ffi = cffi.FFI()
-    ffi.cdef(header_declarations(include_dir, exported_symbols()))
+    ffi.cdef(header_declarations(include_dir, exported_symbols(), headers))
     ffi.cdef("ggml_backend_buffer_type_t cpu_cache_line_buffer_type(void);")
+    ffi.cdef("void abort_with_error_prefix(void);")
+    if RPC_HEADER in headers:  # the protocol version, for checking a server before ggml connects to it
+        ffi.cdef("#define RPC_PROTO_MAJOR_VERSION ...\n#define RPC_PROTO_MINOR_VERSION ...\n"
+                 "#define RPC_PROTO_PATCH_VERSION ...")
     ffi.set_source(
         f"ollama_engine.ggml.{MODULE}",
-        "".join(f'#include "{h}"\n' for h in HEADERS) + CACHE_LINE_BUFFER_TYPE,
+        "".join(f'#include "{h}"\n' for h in headers) + CACHE_LINE_BUFFER_TYPE + ERROR_PREFIXED_ABORT,
         include_dirs=[str(include_dir), str(tree / "ggml" / "src")],
         library_dirs=[str(LIB_DIR)],
         libraries=libraries,
@@ -307,7 +334,7 @@ def fingerprint(args: argparse.Namespace, tree: Path) -> dict:
         "pin": read_pin(),
         "source": str(tree),
         "script": sha256_of(Path(__file__)),
-        "options": {"cuda": args.cuda, "cuda_arch": args.cuda_arch, "vulkan": args.vulkan,
+        "options": {"cuda": args.cuda, "cuda_arch": args.cuda_arch, "vulkan": args.vulkan, "rpc": args.rpc,
                     "portable": args.portable, "cmake_arg": args.cmake_arg},
         "python": sys.version,
     }
@@ -328,6 +355,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cuda", action="store_true", help="build the CUDA backend (needs nvcc)")
     parser.add_argument("--cuda-arch", help="CMAKE_CUDA_ARCHITECTURES (default: the visible GPU's)")
     parser.add_argument("--vulkan", action="store_true", help="build the Vulkan backend")
+    parser.add_argument("--rpc", action=argparse.BooleanOptionalAction, default=True,
+                        help="ggml's RPC backend, to place layers on other hosts (default: on; --no-rpc leaves it out)")
     parser.add_argument("--portable", action="store_true", help="no -march=native (GGML_NATIVE=OFF)")
     parser.add_argument("--cmake-arg", action="append", default=[], help="extra CMake flag, e.g. -DGGML_AVX512=OFF")
     parser.add_argument("--jobs", "-j", type=int, default=os.cpu_count() or 2)
