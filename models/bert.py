@@ -110,22 +110,25 @@ class Bert(Model):
         tokens = inputs.from_numpy(batch.tokens).set_name("tokens")
         positions = inputs.from_numpy(batch.positions).set_name("positions")
         sentence_a = w.token_types.rows(inputs.from_numpy(np.zeros(1, dtype=np.int32)).set_name("token_type"))
-        h = w.token_embd.rows(tokens).add(sentence_a).add(w.position_embd.rows(positions))
-        h = h.layer_norm(w.token_embd_norm, w.token_embd_norm_bias, o.eps)
+        h = w.token_embd.rows(tokens).set_name("embd").add(sentence_a).add(w.position_embd.rows(positions))
+        h.set_name("inp_embd")
+        h = h.layer_norm(w.token_embd_norm, w.token_embd_norm_bias, o.eps).set_name("inp_norm-0")
         scale = 1.0 / math.sqrt(o.head_dim)
-        for layer in self.layers:
-            q = layer.attn_q.matmul(h).add(layer.attn_q_bias).reshape(o.head_dim, o.heads, n)
-            k = layer.attn_k.matmul(h).add(layer.attn_k_bias).reshape(o.head_dim, o.heads, n)
-            v = layer.attn_v.matmul(h).add(layer.attn_v_bias).reshape(o.head_dim, o.heads, n)
+        for i, layer in enumerate(self.layers):
+            q = layer.attn_q.matmul(h).add(layer.attn_q_bias).reshape(o.head_dim, o.heads, n).set_name(f"Qcur-{i}")
+            k = layer.attn_k.matmul(h).add(layer.attn_k_bias).reshape(o.head_dim, o.heads, n).set_name(f"Kcur-{i}")
+            v = layer.attn_v.matmul(h).add(layer.attn_v_bias).reshape(o.head_dim, o.heads, n).set_name(f"Vcur-{i}")
             a = attention(ctx, q, k, v, scale).reshape(o.hidden, n)
-            a = layer.attn_output.matmul(a).add(layer.attn_output_bias)
-            h = a.add(h).layer_norm(layer.attn_output_norm, layer.attn_output_norm_bias, o.eps)
-            f = layer.ffn_up.matmul(h).add(layer.ffn_up_bias).gelu()
-            f = layer.ffn_down.matmul(f).add(layer.ffn_down_bias)
+            # llama.cpp's name for the attention's output projection (bias included) in BERT
+            a = layer.attn_output.matmul(a).add(layer.attn_output_bias).set_name(f"kqv_out-{i}")
+            h = a.add(h).layer_norm(layer.attn_output_norm, layer.attn_output_norm_bias, o.eps).set_name(f"ffn_inp-{i}")
+            f = layer.ffn_up.matmul(h).add(layer.ffn_up_bias).gelu().set_name(f"ffn_gelu-{i}")
+            f = layer.ffn_down.matmul(f).add(layer.ffn_down_bias).set_name(f"ffn_out-{i}")
             h = f.add(h).layer_norm(layer.layer_output_norm, layer.layer_output_norm_bias, o.eps)
+        h.set_name("result_embd")
         if o.pooling == Pooling.NONE:
             return h
-        h = self.pool(h)
+        h = self.pool(h).set_name("result_embd_pooled")
         return h.l2_norm(1e-12) if o.normalize else h
 
     def pool(self, h: Tensor) -> Tensor:

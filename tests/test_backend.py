@@ -165,11 +165,11 @@ def test_a_failing_op_timer_is_logged_and_the_graph_still_computes(stories, capl
             if len(timed) == 1:
                 raise KeyError("boom")
 
-        backend.scheduler.set_node_timer(ggml_backend.NodeTimer(fails_once))
+        backend.scheduler.set_eval_callback(ggml_backend.NodeTimer(fails_once))
         try:
             with backend.new_context() as ctx:
                 ctx.compute(build_graph(backend, ctx, 4))
         finally:
-            backend.scheduler.set_node_timer(None)
+            backend.scheduler.set_eval_callback(None)
         assert "node timer failed" in caplog.text
         assert timed[-1].startswith("MUL_MAT") and len(timed) > 2 * backend.block_count  # to the output layer

@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from . import NULL, ffi, lib
 
 _log = logging.getLogger(__name__)
@@ -236,33 +238,93 @@ def free_buffer(buffer) -> None:
 # ---------------------------------------------------------------- scheduler
 
 
-class NodeTimer:
-    """A ggml eval callback that asks for every node and calls record(node, seconds) after each one.
+class EvalCallback:
+    """A ggml scheduler eval callback: wants(node) picks nodes, seen(node) gets each one once it is computed.
+
+    ggml asks about every node before computing it; a node `wants` accepts ends a piece of the graph, which
+    is computed at once and handed to `seen`; the other nodes run together as usual, so asking for few
+    nodes costs little. `address` is the C function pointer, for another library's scheduler (llama.cpp's
+    cb_eval), so that both engines are observed by the same code. An exception is logged: raising into
+    ggml is not possible, and stopping would silently skip the rest of the graph.
+    """
+
+    def __init__(self, wants: Callable[[object], bool], seen: Callable[[object], None], what: str = "eval callback"):
+        def on_error(exception: type[BaseException], value: BaseException, trace) -> bool:
+            _log.error("%s failed: %r", what, value)
+            return True
+
+        @ffi.callback("ggml_backend_sched_eval_callback", onerror=on_error)
+        def on_node(node, ask, user_data) -> bool:
+            if ask:
+                return bool(wants(node))
+            seen(node)
+            return True
+
+        self.callback = on_node
+        self.address = int(ffi.cast("uintptr_t", on_node))
+
+
+class NodeTimer(EvalCallback):
+    """Asks for every node and calls record(node, seconds) after each one.
 
     Every node then is its own graph compute: the seconds include that overhead, the same for every op.
-    `address` is the C function pointer, for another library's scheduler (llama.cpp's cb_eval), so that
-    both sides pay the same callback overhead.
     """
 
     def __init__(self, record: Callable[[object, float], None]):
         started = [0.0]
 
-        def on_error(exception: type[BaseException], value: BaseException, trace) -> bool:
-            # returning False would make the scheduler skip the rest of the graph, silently
-            _log.error("node timer failed: %r", value)
+        def wants(node) -> bool:
+            started[0] = time.perf_counter()
             return True
 
-        @ffi.callback("ggml_backend_sched_eval_callback", onerror=on_error)
-        def on_node(node, ask, user_data) -> bool:
-            now = time.perf_counter()
-            if ask:
-                started[0] = now
-            else:
-                record(node, now - started[0])
-            return True
+        def seen(node) -> None:
+            record(node, time.perf_counter() - started[0])
 
-        self.callback = on_node
-        self.address = int(ffi.cast("uintptr_t", on_node))
+        super().__init__(wants, seen, "node timer")
+
+
+class TensorCapture(EvalCallback):
+    """Hands take(name, values) the float32 values of every node whose name `wanted` accepts, as computed.
+
+    wanted(name) sees the name of every node the scheduler computes. Values are copied out of the node's
+    buffer (host or device) while they are valid: later nodes may reuse that memory. Views and permuted
+    nodes are read through their strides, so `values` always has the node's logical shape (numpy order,
+    the ggml shape reversed). Nodes of other than float types (F32, F16, BF16) are skipped.
+    """
+
+    def __init__(self, wanted: Callable[[str], bool], take: Callable[[str, np.ndarray], None]):
+        def wants(node) -> bool:
+            return wanted(_string(node.name))
+
+        def seen(node) -> None:
+            values = float_values(node)
+            if values is not None:
+                take(_string(node.name), values)
+
+        super().__init__(wants, seen, "tensor capture")
+
+
+def float_values(t) -> np.ndarray | None:
+    """A computed float tensor's values as a new float32 array of its logical shape; None for other types."""
+    dtype = _FLOAT_TYPES.get(t.type)
+    source = t.view_src if t.view_src != NULL else t
+    if dtype is None or source.buffer == NULL or t.data == NULL:  # ggml would abort reading it
+        return None
+    ne = tuple(t.ne[0:4])
+    if 0 in ne:
+        return np.zeros(tuple(reversed(ne)), dtype=np.float32)
+    span = np.empty(lib.ggml_nbytes(t), dtype=np.uint8)  # contiguous or not: every byte the strides reach
+    lib.ggml_backend_tensor_get(t, ffi.from_buffer(span), 0, span.nbytes)
+    strided = np.lib.stride_tricks.as_strided(
+        span.view(dtype), shape=tuple(reversed(ne)), strides=tuple(reversed(list(t.nb[0:4]))), writeable=False
+    )
+    if dtype == np.uint16:  # bfloat16: the high half of a float32
+        return (strided.astype(np.uint32) << 16).view(np.float32)
+    return strided.astype(np.float32)
+
+
+_FLOAT_TYPES = {lib.GGML_TYPE_F32: np.dtype(np.float32), lib.GGML_TYPE_F16: np.dtype(np.float16),
+                lib.GGML_TYPE_BF16: np.dtype(np.uint16)}
 
 
 class Scheduler:
@@ -303,11 +365,10 @@ class Scheduler:
     def reset(self) -> None:
         lib.ggml_backend_sched_reset(self.handle)
 
-    def set_node_timer(self, timer: NodeTimer | None) -> None:
-        """Compute node by node, timing each one with `timer`; None: back to whole graphs."""
-        self._node_timer = timer  # the callback lives as long as ggml may call it
-        callback = NULL if timer is None else timer.callback
-        lib.ggml_backend_sched_set_eval_callback(self.handle, callback, NULL)
+    def set_eval_callback(self, callback: EvalCallback | None) -> None:
+        """Hand computed nodes to `callback` (a NodeTimer, a TensorCapture); None: whole graphs again."""
+        self._eval_callback = callback  # the callback lives as long as ggml may call it
+        lib.ggml_backend_sched_set_eval_callback(self.handle, NULL if callback is None else callback.callback, NULL)
 
     def free(self) -> None:
         if self.handle != NULL:

@@ -3,7 +3,7 @@
 Shapes are in ggml order, fastest dimension first (see tensor.py).
 """
 
-from .backend import Backend, Placement
+from .backend import Backend, Placement, TensorCapture
 from .context import Context
 from .device import Device, cpu_device, devices, gpu_devices
 from .memory import BackendMemory, DeviceID, DeviceMemory, GPULayers, GPULayersList, NoMemory
@@ -11,6 +11,6 @@ from .tensor import DType, RopeOptions, ShapeError, Tensor, hadamard_matrix
 
 __all__ = [
     "Backend", "BackendMemory", "Context", "DType", "Device", "DeviceID", "DeviceMemory", "GPULayers",
-    "GPULayersList", "NoMemory", "Placement", "RopeOptions", "ShapeError", "Tensor", "cpu_device", "devices",
-    "gpu_devices", "hadamard_matrix",
+    "GPULayersList", "NoMemory", "Placement", "RopeOptions", "ShapeError", "Tensor", "TensorCapture", "cpu_device",
+    "devices", "gpu_devices", "hadamard_matrix",
 ]

@@ -28,6 +28,7 @@ from ollama_engine import ggml
 from ollama_engine.fs import GGUFFile
 from ollama_engine.ggml import GGMLType
 from ollama_engine.ggml import backend as ggml_backend
+from ollama_engine.ggml.backend import TensorCapture
 
 from .device import Device, cpu_device, gpu_devices
 from .memory import BackendMemory, DeviceMemory, GPULayers, NoMemory
@@ -287,17 +288,23 @@ class Backend:
         Meanwhile nodes run one at a time, which is slower as a whole but compares op with op
         (bench/profile_ops.py sets ours beside llama.cpp's).
         """
-        assert self.scheduler is not None
         times: dict[str, float] = collections.defaultdict(float)
 
         def record(node, seconds: float) -> None:
             times[ggml.node_kind(node)] += seconds
 
-        self.scheduler.set_node_timer(ggml_backend.NodeTimer(record))
-        try:
+        with self.eval_callback(ggml_backend.NodeTimer(record)):
             yield times
+
+    @contextlib.contextmanager
+    def eval_callback(self, callback: ggml_backend.EvalCallback) -> Iterator[None]:
+        """Graphs computed inside the block hand their nodes to `callback` (e.g. a TensorCapture)."""
+        assert self.scheduler is not None
+        self.scheduler.set_eval_callback(callback)
+        try:
+            yield
         finally:
-            self.scheduler.set_node_timer(None)
+            self.scheduler.set_eval_callback(None)
 
     def allocated(self) -> dict[str, int]:
         """Bytes really allocated per device name (buffers and compute buffers), to check the report against."""
@@ -384,4 +391,4 @@ def default_threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-__all__ = ["Backend", "GGMLType", "Placement", "default_threads"]
+__all__ = ["Backend", "GGMLType", "Placement", "TensorCapture", "default_threads"]
