@@ -6,7 +6,7 @@ frequency factors (rope_freqs.weight); files without output.weight tie it to tok
 makes that copy). Only the rows whose logits are needed leave the last layer's attention.
 
 Qwen2 and Qwen3 differ only in how q, k and v are made and in the RoPE variant, so they subclass this
-one and override `qkv` and `rope_options`.
+one and override `qkv` and `rope_options`; Qwen3-MoE also overrides `feed_forward`.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ class Llama(Model):
 
     def __init__(self, backend: Backend, tokenizer: Tokenizer | None):
         super().__init__(backend, tokenizer)
-        if self.config.get_uint("expert_count", 0) > 0:
+        if self.config.get_uint("expert_count", 0) > 0 and type(self).feed_forward is Llama.feed_forward:
             raise ModelError(f"unknown model architecture: mixture-of-experts {self.config.architecture()}")
         self.options = Options.from_config(self.config)
         self.weights = bind(Weights, backend)
@@ -113,6 +113,10 @@ class Llama(Model):
         v = layer.attn_v.matmul(x).reshape(o.head_dim, o.kv_heads, n)
         return q, k, v
 
+    def feed_forward(self, layer: Layer, x: Tensor, index: int) -> Tensor:
+        """The FFN's output for the normed hidden states x of layer `index` (before the residual): SwiGLU."""
+        return layer.ffn_down.matmul(layer.ffn_gate.matmul(x).silu(layer.ffn_up.matmul(x)))
+
     def forward(self, ctx: Context, batch: Batch) -> Tensor | None:
         if batch.tokens is None:
             raise ValueError("a text model's batch needs token ids")
@@ -134,7 +138,6 @@ class Llama(Model):
                 h, residual = h.rows(outputs), residual.rows(outputs)
             h = layer.attn_output.matmul(h).add(residual)
             residual = h
-            x = h.rms_norm(layer.ffn_norm, o.eps)
-            h = layer.ffn_down.matmul(layer.ffn_gate.matmul(x).silu(layer.ffn_up.matmul(x))).add(residual)
+            h = self.feed_forward(layer, h.rms_norm(layer.ffn_norm, o.eps), i).add(residual)
         h = h.rms_norm(self.weights.output_norm, o.eps)
         return self.weights.output.matmul(h)

@@ -28,8 +28,10 @@ from gguf import GGML_QUANT_SIZES, MODEL_TENSOR, TENSOR_NAMES, GGMLQuantizationT
 from ollama_engine import paths
 from ollama_engine.fs.gguf_file import GGUFFile
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "bert")
-_ROPE_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "bert", "qwen3moe", "nomic-bert")
+_ROPE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "nomic-bert")
+_MOE_ARCHITECTURES = ("qwen3moe",)  # a router and stacked experts instead of the FFN
+_BERT_ARCHITECTURES = ("bert", "nomic-bert")  # encoders: post-norm, pooled
 
 WEIGHT_TYPES = {
     "F32": (GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
@@ -63,6 +65,9 @@ class ModelSpec:
     qkv_bias: bool = False
     qk_norm: bool = False
     pooling_type: int = int(gguf.PoolingType.CLS)  # bert only: 1 mean, 2 CLS, 3 last
+    n_expert: int = 0  # mixtures of experts: experts per layer, experts used per token, an expert's width
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
     name: str = "synthetic"
 
     @property
@@ -124,6 +129,38 @@ PRESETS: dict[str, ModelSpec] = {
         context_length=512,
         eps=1e-12,
         name="tiny-bert",
+    ),
+    "tiny-qwen3moe": ModelSpec(
+        arch="qwen3moe",
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        n_head_kv=2,
+        n_ff=128,
+        vocab="qwen2",
+        head_dim=32,
+        context_length=512,
+        rope_base=1000000.0,
+        eps=1e-6,
+        qk_norm=True,
+        n_expert=8,
+        n_expert_used=3,
+        n_ff_exp=64,
+        name="tiny-qwen3moe",
+    ),
+    "tiny-nomic-bert": ModelSpec(
+        arch="nomic-bert",
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        n_head_kv=4,
+        n_ff=128,
+        vocab="bert-bge",
+        context_length=512,
+        rope_base=1000.0,
+        eps=1e-12,
+        pooling_type=int(gguf.PoolingType.MEAN),
+        name="tiny-nomic-bert",
     ),
     "smollm2-135m": ModelSpec(
         arch="llama",
@@ -237,10 +274,12 @@ def _check(spec: ModelSpec) -> None:
         raise ValueError(f"{spec.name}: n_head {spec.n_head} is not a multiple of n_head_kv {spec.n_head_kv}")
     if spec.arch in _ROPE_ARCHITECTURES and spec.n_rot % 2:
         raise ValueError(f"{spec.name}: head_dim {spec.n_rot} must be even for RoPE")
-    if spec.arch in ("qwen2", "bert") and spec.n_rot * spec.n_head != spec.n_embd:
+    if spec.arch in ("qwen2", *_BERT_ARCHITECTURES) and spec.n_rot * spec.n_head != spec.n_embd:
         raise ValueError(f"{spec.name}: {spec.arch} needs head_dim * n_head == n_embd")
-    if spec.arch == "bert" and spec.n_head_kv != spec.n_head:
-        raise ValueError(f"{spec.name}: bert needs n_head_kv == n_head")
+    if spec.arch in _BERT_ARCHITECTURES and spec.n_head_kv != spec.n_head:
+        raise ValueError(f"{spec.name}: {spec.arch} needs n_head_kv == n_head")
+    if spec.arch in _MOE_ARCHITECTURES and not (0 < spec.n_expert_used <= spec.n_expert and spec.n_ff_exp > 0):
+        raise ValueError(f"{spec.name}: a mixture of experts needs 0 < n_expert_used <= n_expert and n_ff_exp > 0")
 
 
 def _tensor_plan(spec: ModelSpec, n_vocab: int, qtype: GGMLQuantizationType) -> Iterator[_Tensor]:
@@ -263,6 +302,9 @@ def _tensor_plan(spec: ModelSpec, n_vocab: int, qtype: GGMLQuantizationType) -> 
     n_q, n_kv = spec.n_head * spec.n_rot, spec.n_head_kv * spec.n_rot
     yield tensor(MODEL_TENSOR.TOKEN_EMBD, "weight", (n_embd, n_vocab), "matrix")
 
+    if spec.arch == "nomic-bert":
+        yield from _nomic_bert_tensors(tensor, spec)
+        return
     if spec.arch == "bert":
         # llama.cpp's quantizer never touches these two, and it adds a view of token_types, so F32.
         yield tensor(MODEL_TENSOR.TOKEN_TYPES, "weight", (n_embd, 2), "table")
@@ -308,9 +350,39 @@ def _tensor_plan(spec: ModelSpec, n_vocab: int, qtype: GGMLQuantizationType) -> 
             yield tensor(MODEL_TENSOR.ATTN_K_NORM, "weight", (spec.n_rot,), "norm", i)
         yield tensor(MODEL_TENSOR.ATTN_OUT, "weight", (n_q, n_embd), "matrix", i)
         yield tensor(MODEL_TENSOR.FFN_NORM, "weight", (n_embd,), "norm", i)
+        if spec.arch in _MOE_ARCHITECTURES:
+            yield from _expert_tensors(tensor, spec, i)
+            continue
         yield tensor(MODEL_TENSOR.FFN_GATE, "weight", (n_embd, n_ff), "matrix", i)
         yield tensor(MODEL_TENSOR.FFN_DOWN, "weight", (n_ff, n_embd), "matrix", i)
         yield tensor(MODEL_TENSOR.FFN_UP, "weight", (n_embd, n_ff), "matrix", i)
+
+
+def _nomic_bert_tensors(tensor, spec: ModelSpec) -> Iterator[_Tensor]:
+    """nomic-embed-text v1.5's layers: fused q/k/v, no position table, SwiGLU, no projection biases."""
+    n_embd, n_ff = spec.n_embd, spec.n_ff
+    yield tensor(MODEL_TENSOR.TOKEN_TYPES, "weight", (n_embd, 2), "table")
+    yield tensor(MODEL_TENSOR.TOKEN_EMBD_NORM, "weight", (n_embd,), "norm")
+    yield tensor(MODEL_TENSOR.TOKEN_EMBD_NORM, "bias", (n_embd,), "bias")
+    for i in range(spec.n_layer):
+        yield tensor(MODEL_TENSOR.ATTN_QKV, "weight", (n_embd, 3 * n_embd), "matrix", i)
+        yield tensor(MODEL_TENSOR.ATTN_OUT, "weight", (n_embd, n_embd), "matrix", i)
+        yield tensor(MODEL_TENSOR.ATTN_OUT_NORM, "weight", (n_embd,), "norm", i)
+        yield tensor(MODEL_TENSOR.ATTN_OUT_NORM, "bias", (n_embd,), "bias", i)
+        yield tensor(MODEL_TENSOR.FFN_UP, "weight", (n_embd, n_ff), "matrix", i)
+        yield tensor(MODEL_TENSOR.FFN_GATE, "weight", (n_embd, n_ff), "matrix", i)
+        yield tensor(MODEL_TENSOR.FFN_DOWN, "weight", (n_ff, n_embd), "matrix", i)
+        yield tensor(MODEL_TENSOR.LAYER_OUT_NORM, "weight", (n_embd,), "norm", i)
+        yield tensor(MODEL_TENSOR.LAYER_OUT_NORM, "bias", (n_embd,), "bias", i)
+
+
+def _expert_tensors(tensor, spec: ModelSpec, i: int) -> Iterator[_Tensor]:
+    """A layer's router (kept F32, as llama.cpp's quantizer leaves it) and its experts stacked in 3-D."""
+    n_embd, n_ff, n_expert = spec.n_embd, spec.n_ff_exp, spec.n_expert
+    yield tensor(MODEL_TENSOR.FFN_GATE_INP, "weight", (n_embd, n_expert), "table", i)
+    yield tensor(MODEL_TENSOR.FFN_GATE_EXP, "weight", (n_embd, n_ff, n_expert), "matrix", i)
+    yield tensor(MODEL_TENSOR.FFN_DOWN_EXP, "weight", (n_ff, n_embd, n_expert), "matrix", i)
+    yield tensor(MODEL_TENSOR.FFN_UP_EXP, "weight", (n_embd, n_ff, n_expert), "matrix", i)
 
 
 def _add_hparams(writer: gguf.GGUFWriter, spec: ModelSpec, n_vocab: int, file_type: int) -> None:
@@ -325,12 +397,18 @@ def _add_hparams(writer: gguf.GGUFWriter, spec: ModelSpec, n_vocab: int, file_ty
     writer.add_head_count(spec.n_head)
     writer.add_head_count_kv(spec.n_head_kv)
     writer.add_vocab_size(n_vocab)
-    if spec.arch == "bert":
+    if spec.arch in _BERT_ARCHITECTURES:
         writer.add_layer_norm_eps(spec.eps)
         writer.add_causal_attention(False)
         writer.add_pooling_type(gguf.PoolingType(spec.pooling_type))
+        if spec.arch == "nomic-bert":
+            writer.add_rope_freq_base(spec.rope_base)
         return
     writer.add_layer_norm_rms_eps(spec.eps)
+    if spec.arch in _MOE_ARCHITECTURES:
+        writer.add_expert_count(spec.n_expert)
+        writer.add_expert_used_count(spec.n_expert_used)
+        writer.add_expert_feed_forward_length(spec.n_ff_exp)
     writer.add_rope_freq_base(spec.rope_base)
     writer.add_rope_dimension_count(spec.n_rot)
     if spec.n_rot != spec.n_embd // spec.n_head:
@@ -350,7 +428,7 @@ def _tokenizer_values(spec: ModelSpec) -> dict[str, tuple[Any, GGUFValueType, GG
     values = {
         key: (value, *source.value_types[key]) for key, value in source.metadata.items() if key.startswith("tokenizer.")
     }
-    if spec.arch == "bert" and "tokenizer.ggml.token_type_count" not in values:
+    if spec.arch in _BERT_ARCHITECTURES and "tokenizer.ggml.token_type_count" not in values:
         values["tokenizer.ggml.token_type_count"] = (2, GGUFValueType.UINT32, None)
 
     n_tokens = len(values["tokenizer.ggml.tokens"][0])

@@ -188,6 +188,15 @@ class Tensor:
         ctx = self._graph(other, ids)
         return Tensor(ctx, ops.mul_mat_id(ctx.handle, self.handle, other.handle, ids.handle))
 
+    def add_id(self, biases: Tensor, ids: Tensor) -> Tensor:
+        """self (d, n_used, N) plus the bias rows (d, n_expert) that ids (n_used, N) choose: per-expert biases."""
+        if ids.dtype != DType.I32 or biases.dtype != DType.F32:
+            raise ShapeError("add_id: ids must be I32 and biases F32")
+        if biases.ne[0] != self.ne[0] or ids.ne[:2] != self.ne[1:3] or self.ne[3] != 1:
+            raise ShapeError(f"add_id: input {self.shape}, biases {biases.shape}, ids {ids.shape}")
+        ctx = self._graph(biases, ids)
+        return Tensor(ctx, ops.add_id(ctx.handle, self.handle, biases.handle, ids.handle))
+
     # ------------------------------------------------------------ rows
 
     def rows(self, indices: Tensor) -> Tensor:
@@ -292,6 +301,12 @@ class Tensor:
             raise ShapeError(f"silu: gate {self.shape} and up {up.shape} differ")
         return self._new(ops.swiglu_split(self._graph(up).handle, self.handle, up.handle), up)
 
+    def swiglu_oai(self, up: Tensor, alpha: float, limit: float) -> Tensor:
+        """gpt-oss's gated activation: x * sigmoid(alpha * x) * (y + 1), x = min(self, limit), y = clamp(up, ±limit)."""
+        if up.ne != self.ne:
+            raise ShapeError(f"swiglu_oai: gate {self.shape} and up {up.shape} differ")
+        return self._new(ops.swiglu_oai(self._graph(up).handle, self.handle, up.handle, alpha, limit), up)
+
     def gelu(self, up: Tensor | None = None) -> Tensor:
         """gelu(self) (tanh approximation), or the gated gelu(self) * up."""
         if up is None:
@@ -338,6 +353,12 @@ class Tensor:
     def argsort(self, descending: bool = False) -> Tensor:
         order = ops.SORT_DESC if descending else ops.SORT_ASC
         return self._new(ops.argsort(self._graph().handle, self.handle, order))
+
+    def argsort_top_k(self, k: int) -> Tensor:
+        """Indices of the k largest values of each row, largest first (a view of the descending argsort)."""
+        if not 0 < k <= self.ne[0]:
+            raise ShapeError(f"argsort_top_k: k={k} for rows of {self.ne[0]}")
+        return self._new(ops.argsort_top_k(self._graph().handle, self.handle, k))
 
     def top_k(self, k: int) -> Tensor:
         """Indices of the k largest values of each row (in no particular order)."""

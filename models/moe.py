@@ -1,0 +1,109 @@
+"""Mixture-of-experts feed-forward: a router picks each token's top experts, whose outputs are mixed.
+
+As llama.cpp's build_moe_ffn: the router's logits (n_expert, n) become probabilities (softmax or
+sigmoid, or are kept raw and softmaxed over the chosen experts only), the n_used largest pick the
+experts (descending, so the experts' outputs are summed in llama.cpp's order), their probabilities
+are optionally normalised to sum to 1 and scaled, and each chosen expert's gated FFN runs through
+ggml_mul_mat_id on the stacked expert matrices (n_embd, n_ff, n_expert). The expert weights are
+ordinary layer tensors (blk.N.ffn_*_exps), so the memory report counts them with their layer.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ollama_engine.fs import Config
+from ollama_engine.ml import Tensor
+
+from .base import ModelError, require_uint, weight
+
+
+class Gating(enum.Enum):
+    """How router logits become expert weights (llama.cpp's llama_expert_gating_func_type)."""
+
+    SOFTMAX = "softmax"  # softmax over all experts, then pick
+    SIGMOID = "sigmoid"  # each expert's sigmoid, then pick
+    SOFTMAX_WEIGHT = "softmax_weight"  # pick by raw logits, softmax over the chosen ones (gpt-oss)
+
+
+@dataclass
+class Experts:
+    """One layer's router and stacked experts; the biases are gpt-oss's."""
+
+    router: Tensor = weight("ffn_gate_inp.weight")
+    router_bias: Tensor | None = weight("ffn_gate_inp.bias", optional=True)
+    gate: Tensor = weight("ffn_gate_exps.weight")
+    gate_bias: Tensor | None = weight("ffn_gate_exps.bias", optional=True)
+    up: Tensor = weight("ffn_up_exps.weight")
+    up_bias: Tensor | None = weight("ffn_up_exps.bias", optional=True)
+    down: Tensor = weight("ffn_down_exps.weight")
+    down_bias: Tensor | None = weight("ffn_down_exps.bias", optional=True)
+
+
+@dataclass(frozen=True)
+class Routing:
+    n_expert: int
+    n_used: int
+    gating: Gating
+    normalize: bool  # make the chosen experts' weights sum to 1
+    scale: float = 1.0  # expert_weights_scale; 0 and 1 leave the weights as they are
+
+    @classmethod
+    def from_config(cls, config: Config, gating: Gating, normalize: bool, scale: float = 1.0) -> Routing:
+        n_expert = require_uint(config, "expert_count")
+        n_used = require_uint(config, "expert_used_count")
+        if not 0 < n_used <= n_expert:
+            raise ModelError(f"{config.full_key('expert_used_count')} {n_used} must be in 1..expert_count {n_expert}")
+        return cls(n_expert, n_used, gating, normalize, scale)
+
+
+Activation = Callable[[Tensor, Tensor], Tensor]
+"""gate, up -> activated (n_ff, n_used, n): SwiGLU by default."""
+
+
+def moe(x: Tensor, experts: Experts, routing: Routing, layer: int, activation: Activation = Tensor.silu) -> Tensor:
+    """The mixture's output (n_embd, n) for the normed hidden states x (n_embd, n)."""
+    n_embd, n = x.ne[0], x.ne[1]
+    r = routing
+    logits = experts.router.matmul(x).set_name(f"ffn_moe_logits-{layer}")  # (n_expert, n)
+    if experts.router_bias is not None:
+        logits = logits.add(experts.router_bias)
+    if r.gating == Gating.SOFTMAX:
+        probs = logits.softmax()
+    elif r.gating == Gating.SIGMOID:
+        probs = logits.sigmoid()
+    else:
+        probs = logits
+    probs.set_name(f"ffn_moe_probs-{layer}")
+    selected = probs.argsort_top_k(r.n_used).set_name(f"ffn_moe_topk-{layer}")  # (n_used, n), I32
+    weights = probs.reshape(1, r.n_expert, n).rows(selected)  # (1, n_used, n)
+    if r.gating == Gating.SOFTMAX_WEIGHT:
+        weights = weights.reshape(r.n_used, n).softmax().reshape(1, r.n_used, n)
+    if r.normalize:
+        flat = weights.reshape(r.n_used, n)
+        total = flat.sum_rows().clamp(6.103515625e-5, float("inf"))  # the smallest normal F16, as llama.cpp
+        weights = flat.div(total).reshape(1, r.n_used, n)
+    if r.scale not in (0.0, 1.0):
+        weights = weights.scale(r.scale)
+    weights.set_name(f"ffn_moe_weights-{layer}")
+    x.ctx.forward(weights)  # routing first in the graph, as llama.cpp orders it (fused top-k kernels)
+
+    x = x.reshape(n_embd, 1, n)
+    up = _biased(experts.up.matmul_id(x, selected), experts.up_bias, selected).set_name(f"ffn_moe_up-{layer}")
+    gate = _biased(experts.gate.matmul_id(x, selected), experts.gate_bias, selected).set_name(f"ffn_moe_gate-{layer}")
+    hidden = activation(gate, up)  # (n_ff, n_used, n)
+    out = _biased(experts.down.matmul_id(hidden, selected), experts.down_bias, selected)  # (n_embd, n_used, n)
+    out = out.mul(weights).set_name(f"ffn_moe_weighted-{layer}")
+
+    total = None  # the chosen experts' outputs summed in rank order
+    for i in range(r.n_used):
+        part = out.view(i * out.strides[1], (n_embd, n), (out.strides[2],))
+        total = part if total is None else total.add(part)
+    assert total is not None
+    return (total.contiguous() if r.n_used == 1 else total).set_name(f"ffn_moe_out-{layer}")
+
+
+def _biased(x: Tensor, bias: Tensor | None, selected: Tensor) -> Tensor:
+    return x if bias is None else x.add_id(bias, selected)

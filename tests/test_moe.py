@@ -1,0 +1,163 @@
+"""Mixtures of experts: the routing against numpy, each MoE architecture against llama.cpp, and memory.
+
+The architectures run on tiny synthetic models (tests/.. fs/synthetic.py presets) through
+llama_reference.compare_schedule: two sequences of different lengths prefilled in one batch, then
+eight batches decoding one token for each; every logprob within the tolerance and the same greedy
+tokens at every step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from llama_reference import compare_schedule
+
+from ollama_engine.fs.synthetic import write_synthetic
+from ollama_engine.kvcache import Batch
+from ollama_engine.ml import Backend
+from ollama_engine.models.moe import Experts, Gating, Routing, moe
+from ollama_engine.runner.allocate import LoadParams, open_model
+
+TOLERANCE = 1e-4  # largest logprob difference; measured: see each test
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory: pytest.TempPathFactory):
+    folder = tmp_path_factory.mktemp("moe")
+    written: dict[tuple, Path] = {}
+
+    def write(arch: str, weight_type: str = "F32", **options) -> Path:
+        key = (arch, weight_type, *sorted(options.items()))
+        if key not in written:
+            written[key] = write_synthetic(folder / f"{arch}-{weight_type}-{len(written)}.gguf", arch,
+                                           weight_type=weight_type, **options)
+        return written[key]
+
+    return write
+
+
+# ---------------------------------------------------------------- routing, against numpy
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1 + np.exp(-x))
+
+
+def numpy_moe(x, router, gate, up, down, routing: Routing) -> np.ndarray:
+    """The mixture written out token by token: x (n, d); router (E, d); gate/up (E, f, d); down (E, d, f)."""
+    out = np.zeros_like(x)
+    for t, row in enumerate(x):
+        logits = router @ row
+        probs = {Gating.SOFTMAX: softmax, Gating.SIGMOID: lambda v: 1 / (1 + np.exp(-v))}.get(
+            routing.gating, lambda v: v)(logits)
+        chosen = np.argsort(-probs, kind="stable")[: routing.n_used]
+        weights = probs[chosen]
+        if routing.gating == Gating.SOFTMAX_WEIGHT:
+            weights = softmax(weights)
+        if routing.normalize:
+            weights = weights / weights.sum()
+        if routing.scale not in (0.0, 1.0):
+            weights = weights * routing.scale
+        for e, w in zip(chosen, weights, strict=True):
+            out[t] += w * (down[e] @ (silu(gate[e] @ row) * (up[e] @ row)))
+    return out
+
+
+@pytest.mark.parametrize(("gating", "normalize", "scale", "n_used"), [
+    (Gating.SOFTMAX, True, 1.0, 3),  # qwen3moe, mixtral
+    (Gating.SOFTMAX, False, 1.0, 1),  # one expert: the output is still contiguous
+    (Gating.SIGMOID, True, 2.5, 2),  # deepseek-v3 style
+    (Gating.SOFTMAX_WEIGHT, False, 1.0, 4),  # gpt-oss
+])
+def test_routing_matches_numpy(gating, normalize, scale, n_used):
+    rng = np.random.default_rng(7)
+    d, f, n_expert, n = 16, 8, 6, 5
+    x = rng.standard_normal((n, d), dtype=np.float32)
+    router = rng.standard_normal((n_expert, d), dtype=np.float32)
+    gate, up = (rng.standard_normal((n_expert, f, d), dtype=np.float32) / 4 for _ in range(2))
+    down = rng.standard_normal((n_expert, d, f), dtype=np.float32) / 3
+    routing = Routing(n_expert, n_used, gating, normalize, scale)
+    with Backend(None) as backend, backend.new_context() as ctx:
+        inputs = ctx.input()
+        experts = Experts(router=inputs.from_numpy(router), router_bias=None, gate=inputs.from_numpy(gate),
+                          gate_bias=None, up=inputs.from_numpy(up), up_bias=None, down=inputs.from_numpy(down),
+                          down_bias=None)
+        out = moe(inputs.from_numpy(x), experts, routing, 0)
+        assert out.name == "ffn_moe_out-0"
+        ctx.compute(out)
+        ours = out.numpy()
+    np.testing.assert_allclose(ours, numpy_moe(x, router, gate, up, down, routing), rtol=1e-4, atol=1e-5)
+
+
+def test_expert_biases_are_added_per_chosen_expert():
+    """gpt-oss's biases: add_id adds the bias row of the expert each slot chose."""
+    rng = np.random.default_rng(3)
+    with Backend(None) as backend, backend.new_context() as ctx:
+        inputs = ctx.input()
+        x = rng.standard_normal((4, 2, 3), dtype=np.float32)  # numpy order: (n, n_used, d)
+        biases = rng.standard_normal((5, 3), dtype=np.float32)  # (n_expert, d)
+        ids = np.array([[4, 0], [1, 1], [3, 2], [0, 4]], dtype=np.int32)
+        out = inputs.from_numpy(x).add_id(inputs.from_numpy(biases), inputs.from_numpy(ids))
+        ctx.compute(out)
+        np.testing.assert_allclose(out.numpy(), x + biases[ids], rtol=1e-6)
+
+
+# ---------------------------------------------------------------- architectures against llama.cpp
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("weight_type", ["F32", "Q8_0"])
+@pytest.mark.parametrize("flash", [False, True])
+def test_qwen3moe_matches_llama_cpp(synthetic, weight_type, flash):
+    worst = compare_schedule(synthetic("qwen3moe", weight_type), flash=flash, cache_type="f16", sequences=2,
+                             tolerance=TOLERANCE, threads=1)
+    assert worst < TOLERANCE
+
+
+# ---------------------------------------------------------------- memory
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe"])
+def test_fit_equals_alloc_and_inference_allocates_nothing_more(synthetic, arch):
+    """The reserved worst-case graphs cover the routing: a full prompt batch and decodes of every shape
+    compute without growing any buffer, and fit measured exactly what alloc allocated."""
+    path = str(synthetic(arch))
+    params = LoadParams(parallel=2, batch_size=32, kv_size=256, num_threads=1)
+    fit = open_model(path, params, allocate=False)
+    fit_report = fit.memory.to_json()
+    fit.close()
+    loaded = open_model(path, params, allocate=True)
+    try:
+        assert loaded.memory.to_json() == fit_report
+        report = loaded.memory
+        before = loaded.model.backend.allocated()["CPU"]
+        assert before == report.input_weights + report.cpu.size()
+        loaded.model.backend.load()
+        graphs = loaded.model.graphs
+        graphs.compute(Batch(positions=range(32), sequences=[0] * 32, outputs=[31], tokens=np.arange(32) + 100))
+        graphs.compute(Batch(positions=[32, 0, 1], sequences=[0, 1, 1], outputs=[0, 2], tokens=[4, 5, 6]))
+        graphs.compute(Batch(positions=[33, 2], sequences=[0, 1], outputs=[0, 1], tokens=[7, 8]))
+        assert loaded.model.backend.allocated()["CPU"] == before
+        assert loaded.memory.to_json() == fit_report
+    finally:
+        loaded.close()
+
+
+def test_expert_weights_are_counted_in_their_layer(synthetic):
+    from ollama_engine.fs import GGUFFile
+
+    path = synthetic("qwen3moe")
+    file = GGUFFile.open(path)
+    with Backend(file, allocate=False) as backend:
+        for layer in range(backend.block_count):
+            experts = sum(info.n_bytes for name, info in file.tensors.items()
+                          if name.startswith(f"blk.{layer}.ffn_") and "_exps" in name)
+            assert experts > 0
+            assert backend.memory.cpu.weights[layer] >= experts
