@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ollama_engine import ggml
 from ollama_engine.kvcache import Batch, attention
 from ollama_engine.ml import Backend, Context, RopeOptions, Tensor
 from ollama_engine.tokenizer import Tokenizer
@@ -96,6 +95,6 @@ class NomicBert(Bert):
         qkv = layer.attn_qkv.matmul(h)  # (3 * hidden, n)
         if layer.attn_qkv_bias is not None:
             qkv = qkv.add(layer.attn_qkv_bias)
-        head = ggml.row_size(qkv.dtype, o.head_dim)
-        q, k, v = (qkv.view(part * o.heads * head, (o.head_dim, o.heads, n), (head, qkv.strides[1])) for part in range(3))
+        head = qkv.strides[0] * o.head_dim  # bytes of one head (the projection's output is F32)
+        q, k, v = (qkv.view(i * o.heads * head, (o.head_dim, o.heads, n), (head, qkv.strides[1])) for i in range(3))
         return q, k, v
