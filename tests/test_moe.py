@@ -161,3 +161,19 @@ def test_expert_weights_are_counted_in_their_layer(synthetic):
                           if name.startswith(f"blk.{layer}.ffn_") and "_exps" in name)
             assert experts > 0
             assert backend.memory.cpu.weights[layer] >= experts
+
+
+@pytest.mark.reference
+def test_repacked_q4_0_experts_match_llama_cpp(synthetic):
+    """Q4_0 experts in the CPU's repacked layout (mul_mat_id's fast kernels), as llama.cpp stores them."""
+    from ollama_engine.models import load_model
+
+    path = synthetic("qwen3moe", "Q4_0", n_embd=128, n_head=4, n_ff_exp=128)
+    model = load_model(path, allocate=False)
+    try:
+        repacked = model.backend.repacked_weights()
+    finally:
+        model.close()
+    if not any("_exps" in name for name in repacked):
+        pytest.skip("this CPU has no repacked Q4_0 layout")
+    assert compare_schedule(path, flash=False, cache_type="f16", sequences=2, threads=1) < TOLERANCE

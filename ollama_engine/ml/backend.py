@@ -194,11 +194,11 @@ class Backend:
         """The buffer type a weight is stored in: the device's default, or on the CPU a repacked layout.
 
         Repacked layouts (ggml's CPU_REPACK, e.g. Q4_0 in interleaved blocks on AVX2) have faster matmul
-        kernels; llama.cpp uses them by default. Input tensors (token embeddings) are read by row, not
-        multiplied, so they keep the plain layout.
+        kernels (for stacked experts' mul_mat_id too); llama.cpp uses them by default. Input tensors (token
+        embeddings) are read by row, not multiplied, so they keep the plain layout.
         """
         device = placement.device
-        if device is self.cpu and placement.layer is not None and len(info.shape) == 2:
+        if device is self.cpu and placement.layer is not None and len(info.shape) in (2, 3):
             for buft in extra:
                 if ggml_backend.supports_matmul_weight(device.handle, buft, int(info.ggml_type), tuple(info.shape)):
                     return buft
