@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from ollama_engine.api.cli import add_serve_commands
@@ -31,6 +32,13 @@ def devices_command(args: argparse.Namespace) -> int:
               f"{human_bytes2(device.free_memory()):>10} free of {human_bytes2(device.total_memory):>10}  "
               f"{device.description}")
     return 0
+
+
+def rpc_server_command(args: argparse.Namespace) -> int:
+    from ollama_engine.ml.device import serve_rpc
+
+    serve_rpc(args.host, args.port, args.threads)
+    return 1
 
 
 def demo_command(args: argparse.Namespace) -> int:
@@ -62,6 +70,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_command(commands)
     add_serve_commands(commands)
     add_client_commands(commands)
+    rpc_server = commands.add_parser("rpc-server", help="serve this machine's ggml devices to other hosts (RPC)")
+    rpc_server.add_argument("--host", default="127.0.0.1",
+                            help="IPv4 address to listen on (default: loopback only; 0.0.0.0: every interface)")
+    rpc_server.add_argument("--port", type=int, default=50052, help="TCP port (default 50052)")
+    rpc_server.add_argument("--threads", type=int, default=0, help="CPU threads (default: every core)")
+    rpc_server.set_defaults(run=rpc_server_command)
+    for name in ("serve", "runner", "plan"):  # their runners inherit the variable
+        commands.choices[name].add_argument(
+            "--rpc-servers", metavar="HOST:PORT,...",
+            help="ggml RPC servers whose devices take layers like GPUs (sets OLLAMA_RPC_SERVERS)")
     demo = commands.add_parser("demo", help="the end-to-end demo")
     demo.add_argument("--model", help="a GGUF file (default: a generated synthetic model)")
     demo.set_defaults(run=demo_command)
@@ -71,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.verbose)
+    if getattr(args, "rpc_servers", None):
+        os.environ["OLLAMA_RPC_SERVERS"] = args.rpc_servers
     try:
         return args.run(args)
     except KeyboardInterrupt:

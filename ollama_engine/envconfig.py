@@ -121,6 +121,12 @@ def _host(env: Mapping[str, str]) -> tuple[str, int]:
     return parts.hostname or DEFAULT_HOST, port
 
 
+def rpc_servers(env: Mapping[str, str] | None = None) -> list[str]:
+    """OLLAMA_RPC_SERVERS (ours, not Ollama's): `host:port,...` of ggml RPC servers whose devices join ours."""
+    text = _var(os.environ if env is None else env, "OLLAMA_RPC_SERVERS")
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
 @dataclass
 class EnvConfig:
     """Every setting serve and the scheduler read from the environment."""

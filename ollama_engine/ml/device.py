@@ -1,13 +1,22 @@
-"""The compute devices ggml enumerates, described the way the runner reports them."""
+"""The compute devices ggml enumerates, described the way the runner reports them.
+
+The devices of the ggml RPC servers that OLLAMA_RPC_SERVERS names join them as GPUs of the library "RPC",
+each with the id `host:port` (`host:port#N` for a server's device N > 0) and the memory its server reports,
+so that the layout places layers on other hosts as it does on GPUs.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cache
 
+from ollama_engine import envconfig
 from ollama_engine.ggml import backend as ggml_backend
+from ollama_engine.ggml import rpc
 
 from .memory import DeviceID
+
+RPC_LIBRARY = "RPC"
 
 
 @dataclass(frozen=True)
@@ -43,18 +52,29 @@ class Device:
 
 @cache
 def devices() -> tuple[Device, ...]:
-    """All devices, once per process; ids are the ggml device id, or the ordinal within the library."""
+    """All devices, once per process; ids are the ggml device id, or the ordinal within the library.
+
+    Raises rpc.RpcError (and caches nothing) when a server of OLLAMA_RPC_SERVERS cannot be used.
+    """
+    for endpoint in rpc.parse_endpoints(",".join(envconfig.rpc_servers())):
+        rpc.add_server(endpoint)
     found: list[Device] = []
     per_library: dict[str, int] = {}
     for props in ggml_backend.devices():
-        ordinal = per_library.get(props.library, 0)
-        per_library[props.library] = ordinal + 1
+        remote = props.library == RPC_LIBRARY  # ggml describes an RPC device by its server's host:port
+        key = props.description if remote else props.library
+        ordinal = per_library.get(key, 0)
+        per_library[key] = ordinal + 1
+        device_id, name = props.device_id or str(ordinal), props.name
+        if remote:
+            device_id = props.description if ordinal == 0 else f"{props.description}#{ordinal}"
+            name = f"RPC[{device_id}]"
         found.append(
             Device(
                 handle=props.handle,
-                id=props.device_id or str(ordinal),
+                id=device_id,
                 library=props.library,
-                name=props.name,
+                name=name,
                 description=props.description,
                 kind=props.type,
                 total_memory=props.total,
@@ -69,3 +89,34 @@ def cpu_device() -> Device:
 
 def gpu_devices() -> list[Device]:
     return [d for d in devices() if d.is_gpu]
+
+
+def serve_rpc(host: str, port: int, threads: int = 0) -> None:
+    """Serve this machine's GPUs (its CPU when it has none) to other hosts' runners, until interrupted.
+
+    ggml's server has no authentication: anyone who reaches the port can read and write its memory.
+    Its loop runs in a daemon thread so that Ctrl-C still reaches Python; it returns only by raising.
+    """
+    import sys
+    import threading
+
+    from .backend import default_threads
+
+    local = ggml_backend.devices()
+    served = [d.handle for d in local if d.type != "CPU"] or [d.handle for d in local if d.type == "CPU"]
+    if not host.startswith("127."):  # ggml listens on IPv4 addresses only
+        print(f"warning: serving on {host}:{port}: ggml's RPC server has no authentication or encryption, "
+              "expose it only to hosts you trust", file=sys.stderr)
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            rpc.serve(host, port, served, threads or default_threads())
+        except BaseException as err:  # handed to the main thread
+            failure.append(err)
+
+    thread = threading.Thread(target=run, name="rpc-server", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.5)
+    raise failure[0]

@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import re
 
+from ollama_engine.envconfig import rpc_servers
 from ollama_engine.llm.discovery import _nvml_refreshed, discover_gpus
 from ollama_engine.llm.runner_handle import RunnerHandle
 from ollama_engine.ml.memory import DeviceInfo
@@ -39,7 +40,8 @@ class GpuDiscovery:
     async def __call__(self, runners: list[RunnerRef]) -> list[DeviceInfo]:
         async with self._lock:
             if self._gpus is None:
-                self._gpus = await asyncio.to_thread(self._discover) if gpu_backends_built() else []
+                asked = gpu_backends_built() or bool(rpc_servers())  # RPC servers' devices count as GPUs
+                self._gpus = await asyncio.to_thread(self._discover) if asked else []
                 log.info("discovered gpus count=%d", len(self._gpus))
         return [
             _nvml_refreshed(gpu) if gpu.device_id.library == "CUDA" else dataclasses.replace(gpu)

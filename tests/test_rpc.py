@@ -1,0 +1,270 @@
+"""Layers on other hosts through ggml's RPC backend: two `ollama-engine rpc-server` processes on loopback.
+
+A model split across both servers and the local CPU must give the single-host logits and greedy tokens,
+through the layout loop as the scheduler drives it; a server that is unreachable, silent or lost mid-stream
+must end in a clear error, never a hang. Anything that registers RPC devices runs in a subprocess: ggml's
+device registry lives as long as the process, and a lost server aborts it.
+
+Run as a script (`python tests/test_rpc.py MODEL [ENDPOINT ...]`) this file prints what one process computes:
+the prompt's logits and greedy tokens, with layer i on the i-th endpoint and the other layers on the CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+PROMPT = "Once upon a time"
+GREEDY_TOKENS = 32
+TOLERANCE = 1e-4  # per logit; the measured difference is 0 (the same kernels, run on other processes)
+
+
+def split_run(model: str, endpoints: list[str]) -> dict:
+    """In this process: layer i on endpoints[i], the rest on the CPU; prompt logits and greedy tokens."""
+    from ollama_engine.generate import prefill
+    from ollama_engine.kvcache import Batch
+    from ollama_engine.ml import DType, GPULayers
+    from ollama_engine.ml.memory import DeviceID
+    from ollama_engine.models import load_model
+
+    layout = [GPULayers(DeviceID(endpoint, "RPC"), [i]) for i, endpoint in enumerate(endpoints)]
+    model = load_model(model, layout, num_threads=1)
+    try:
+        model.backend.load()
+        model.cache.init(model.backend, DType.F16, 1, 256, 64)
+        tokens = model.tokenizer.encode(PROMPT)
+        n = len(tokens)
+        logits = model.graphs.compute(Batch(positions=np.arange(n), sequences=np.zeros(n), outputs=range(n),
+                                            tokens=tokens))
+        greedy, last = [], logits[-1]
+        for step in range(GREEDY_TOKENS):
+            greedy.append(int(np.argmax(last)))
+            last = prefill(model, [greedy[-1]], n + step)
+        return {
+            "logits": np.asarray(logits).tolist(),
+            "tokens": greedy,
+            "layer_devices": [device.name for device in model.backend.layer_devices],
+            "memory": model.backend.memory.to_json(),
+        }
+    finally:
+        model.close()
+
+
+if __name__ == "__main__":
+    print(json.dumps(split_run(sys.argv[1], sys.argv[2:])))
+    sys.exit(0)
+
+
+from ollama_engine.fs import GGUFFile  # noqa: E402
+from ollama_engine.ggml import rpc  # noqa: E402
+from ollama_engine.llm.discovery import discover_gpus, system_info  # noqa: E402
+from ollama_engine.llm.load import LoadOptions, load  # noqa: E402
+from ollama_engine.llm.runner_handle import RunnerError, RunnerHandle, free_port  # noqa: E402
+from ollama_engine.ml.memory import DeviceID  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not rpc.AVAILABLE, reason="ggml was built without RPC (build_ggml.py --no-rpc)")
+
+
+def start_rpc_server(port: int) -> subprocess.Popen:
+    """`ollama-engine rpc-server` on loopback, once it answers the handshake."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ollama_engine", "rpc-server", "--port", str(port), "--threads", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            rpc.probe(f"127.0.0.1:{port}", timeout=5)
+            return process
+        except rpc.RpcError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                raise RuntimeError(f"rpc-server did not start: {process.communicate()[1].decode()}") from None
+            time.sleep(0.1)
+
+
+def stop(process: subprocess.Popen) -> None:
+    process.kill()
+    process.wait()
+
+
+@pytest.fixture(scope="module")
+def servers():
+    processes = {}
+    try:
+        for _ in range(2):
+            port = free_port()
+            processes[f"127.0.0.1:{port}"] = start_rpc_server(port)
+        yield list(processes)
+    finally:
+        for process in processes.values():
+            stop(process)
+
+
+def run_split(model: Path, endpoints: list[str]) -> dict:
+    env = {**os.environ, "OLLAMA_RPC_SERVERS": ",".join(endpoints)}
+    result = subprocess.run([sys.executable, __file__, str(model), *endpoints], env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_a_model_split_over_two_hosts_and_the_cpu_computes_what_one_host_does(servers, stories_path):
+    single = run_split(stories_path, [])
+    split = run_split(stories_path, servers)
+    assert split["layer_devices"][:2] == [f"RPC[{servers[0]}]", f"RPC[{servers[1]}]"]
+    assert set(split["layer_devices"][2:]) == {"CPU"}
+    logits, expected = np.array(split["logits"]), np.array(single["logits"])
+    assert logits.shape == expected.shape and np.abs(logits - expected).max() < TOLERANCE
+    assert split["tokens"] == single["tokens"]
+    # each host reports the weights and cache of its own layer, and nothing else
+    for layer, endpoint in enumerate(servers):
+        host = next(gpu for gpu in split["memory"]["GPUs"] if gpu["id"] == endpoint)
+        assert host["backend"] == "RPC"
+        assert [i for i, size in enumerate(host["Weights"]) if size] == [layer]
+        assert [i for i, size in enumerate(host["Cache"]) if size] == [layer]
+
+
+def greedy_text(handle: RunnerHandle) -> str:
+    lines = list(handle.completion(PROMPT, {"num_predict": GREEDY_TOKENS, "temperature": 0}))
+    assert lines[-1]["done"]
+    return "".join(line.get("content", "") for line in lines)
+
+
+def total_layers(model: Path) -> int:
+    return GGUFFile.open(model).config.get_uint("block_count") + 1  # the repeating layers and the output
+
+
+def loaded_runner(model: Path, endpoints: list[str], num_gpu: int, sched_spread: bool = False):
+    """A runner placed by the parent's layout loop, as the scheduler does it; (handle, load result)."""
+    handle = RunnerHandle.start(str(model), env={"OLLAMA_RPC_SERVERS": ",".join(endpoints)})
+    try:
+        handle.wait_launched()
+        gpus = discover_gpus(handle)
+        options = LoadOptions(num_ctx=256, batch_size=64, num_gpu=num_gpu, num_threads=1, sched_spread=sched_spread)
+        result = load(handle, system_info(), gpus, total_layers(model), options)
+        handle.wait_until_running()
+    except BaseException:
+        handle.close()
+        raise
+    return handle, gpus, result
+
+
+def test_the_layout_loop_places_layers_on_the_hosts_like_gpus(servers, stories_path):
+    with RunnerHandle.start(str(stories_path)) as alone:
+        alone.wait_launched()
+        load(alone, system_info(), [], total_layers(stories_path), LoadOptions(num_ctx=256, batch_size=64,
+                                                                                num_threads=1))
+        alone.wait_until_running()
+        expected = greedy_text(alone)
+    # OLLAMA_SCHED_SPREAD: 4 layers (num_gpu) over both hosts by their free memory; the others on the CPU
+    handle, gpus, result = loaded_runner(stories_path, servers, num_gpu=4, sched_spread=True)
+    with handle:
+        assert [(gpu.device_id, gpu.name, gpu.description) for gpu in gpus] == [
+            (DeviceID(endpoint, "RPC"), f"RPC[{endpoint}]", endpoint) for endpoint in servers
+        ]
+        assert all(gpu.free_memory > 0 for gpu in gpus)
+        placed = {entry.device_id.id: entry.layers for entry in result.gpu_layers}
+        assert sorted(placed) == sorted(servers) and all(placed.values())
+        assert sum(len(layers) for layers in placed.values()) == 4
+        for entry in result.memory.gpus:  # the memory table: what each host holds
+            assert [i for i, size in enumerate(entry.weights) if size] == placed[entry.device_id.id]
+            assert entry.graph > 0
+        summary = result.memory.summary()
+        assert {device for what, device, _ in summary if what == "model weights"} == {
+            "CPU", *(f"RPC[{endpoint}]" for endpoint in servers)}
+        assert greedy_text(handle) == expected
+
+
+def test_an_unreachable_host_is_a_clear_load_error_not_a_hang(stories_path):
+    closed = f"127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    with RunnerHandle.start(str(stories_path), env={"OLLAMA_RPC_SERVERS": closed}) as handle:
+        handle.wait_launched()
+        with pytest.raises(RunnerError, match=f"RPC server {closed} is unreachable: Connection refused"):
+            discover_gpus(handle)
+        with pytest.raises(RunnerError, match=f"RPC server {closed} is unreachable"):
+            load(handle, system_info(), [], total_layers(stories_path), LoadOptions(num_ctx=256, batch_size=64))
+        assert not handle.exited()
+    assert time.monotonic() - started < 30
+
+
+def test_a_host_that_accepts_but_never_answers_times_out_with_the_likely_reason():
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # like a ggml server busy with another client
+        endpoint = f"127.0.0.1:{silent.getsockname()[1]}"
+        started = time.monotonic()
+        with pytest.raises(rpc.RpcError, match="did not answer within 0.5 s.*serves one client at a time"):
+            rpc.probe(endpoint, timeout=0.5)
+        assert time.monotonic() - started < 5
+
+
+def test_a_host_that_is_not_a_ggml_rpc_server_is_named_as_such():
+    with socket.create_server(("127.0.0.1", 0)) as other:
+        endpoint = f"127.0.0.1:{other.getsockname()[1]}"
+
+        def answer_like_http() -> None:
+            connection, _ = other.accept()
+            with connection:
+                connection.recv(64)
+                connection.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+
+        thread = threading.Thread(target=answer_like_http)
+        thread.start()
+        with pytest.raises(rpc.RpcError, match="is not a ggml RPC server"):
+            rpc.probe(endpoint, timeout=5)
+        thread.join()
+
+
+@pytest.mark.parametrize("text", ["localhost", "host:", ":50052", "::1:50052", "host:0", "host:65536", "host:x"])
+def test_malformed_endpoints_are_refused_before_ggml_sees_them(text):
+    with pytest.raises(rpc.RpcError, match="want host:port"):
+        rpc.parse_endpoints(f"127.0.0.1:50052,{text}")
+
+
+def test_endpoints_list_drops_blanks_and_duplicates():
+    assert rpc.parse_endpoints(" 10.0.0.2:50052,,10.0.0.3:50052 , 10.0.0.2:50052") == [
+        "10.0.0.2:50052", "10.0.0.3:50052"]
+
+
+def test_a_taken_port_is_a_clear_rpc_server_error():
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "ollama_engine", "rpc-server", "--port", str(port)],
+                                capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert f"error: cannot listen on 127.0.0.1:{port}: Address already in use" in result.stderr
+
+
+def test_a_host_lost_mid_stream_ends_the_runner_with_an_error(stories_path):
+    port = free_port()
+    server = start_rpc_server(port)
+    endpoint = f"127.0.0.1:{port}"
+    try:
+        handle, _, result = loaded_runner(stories_path, [endpoint], num_gpu=2)
+        with handle:
+            assert [entry.device_id.id for entry in result.gpu_layers] == [endpoint]
+            stream = handle.completion(PROMPT, {"num_predict": 10_000, "temperature": 0})
+            first = next(stream)
+            assert not first["done"]
+            stop(server)
+            lines = []
+            with contextlib.suppress(OSError, ValueError, http.client.HTTPException):  # cut off, or just ended
+                lines.extend(stream)
+            assert not any(line["done"] for line in lines), "the stream must not end as if generation had finished"
+            handle.process.wait(timeout=30)
+            assert handle.process.returncode != 0
+            reason = handle.exit_reason()
+            assert "error: ggml aborted" in reason and "Remote RPC server crashed" in reason
+    finally:
+        stop(server)
