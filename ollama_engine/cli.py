@@ -9,6 +9,7 @@ import sys
 
 from ollama_engine.api.cli import add_serve_commands
 from ollama_engine.api.client_cli import add_client_commands
+from ollama_engine.diff import add_diff_command
 from ollama_engine.llm.plan import add_plan_command
 from ollama_engine.server.cli import add_runner_command
 
@@ -68,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(run=generate_command)
     add_runner_command(commands)
     add_plan_command(commands)
+    add_diff_command(commands)
     add_serve_commands(commands)
     add_client_commands(commands)
     rpc_server = commands.add_parser("rpc-server", help="serve this machine's ggml devices to other hosts (RPC)")
