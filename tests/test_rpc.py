@@ -12,6 +12,7 @@ the prompt's logits and greedy tokens, with layer i on the i-th endpoint and the
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import http.client
 import json
 import os
@@ -20,10 +21,25 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
+from serve_process import serve_process
+
+from ollama_engine.fs import GGUFFile
+from ollama_engine.fs.synthetic import write_synthetic
+from ollama_engine.generate import prefill
+from ollama_engine.ggml import rpc
+from ollama_engine.kvcache import Batch
+from ollama_engine.llm.discovery import discover_gpus, system_info
+from ollama_engine.llm.load import LoadOptions, load
+from ollama_engine.llm.runner_handle import RunnerError, RunnerHandle, free_port
+from ollama_engine.ml import DType, GPULayers
+from ollama_engine.ml.memory import DeviceID
+from ollama_engine.models import load_model
 
 PROMPT = "Once upon a time"
 GREEDY_TOKENS = 32
@@ -32,12 +48,6 @@ TOLERANCE = 1e-4  # per logit; the measured difference is 0 (the same kernels, r
 
 def split_run(model: str, endpoints: list[str]) -> dict:
     """In this process: layer i on endpoints[i], the rest on the CPU; prompt logits and greedy tokens."""
-    from ollama_engine.generate import prefill
-    from ollama_engine.kvcache import Batch
-    from ollama_engine.ml import DType, GPULayers
-    from ollama_engine.ml.memory import DeviceID
-    from ollama_engine.models import load_model
-
     layout = [GPULayers(DeviceID(endpoint, "RPC"), [i]) for i, endpoint in enumerate(endpoints)]
     model = load_model(model, layout, num_threads=1)
     try:
@@ -60,18 +70,6 @@ def split_run(model: str, endpoints: list[str]) -> dict:
     finally:
         model.close()
 
-
-if __name__ == "__main__":
-    print(json.dumps(split_run(sys.argv[1], sys.argv[2:])))
-    sys.exit(0)
-
-
-from ollama_engine.fs import GGUFFile  # noqa: E402
-from ollama_engine.ggml import rpc  # noqa: E402
-from ollama_engine.llm.discovery import discover_gpus, system_info  # noqa: E402
-from ollama_engine.llm.load import LoadOptions, load  # noqa: E402
-from ollama_engine.llm.runner_handle import RunnerError, RunnerHandle, free_port  # noqa: E402
-from ollama_engine.ml.memory import DeviceID  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not rpc.AVAILABLE, reason="ggml was built without RPC (build_ggml.py --no-rpc)")
 
@@ -268,3 +266,78 @@ def test_a_host_lost_mid_stream_ends_the_runner_with_an_error(stories_path):
             assert "error: ggml aborted" in reason and "Remote RPC server crashed" in reason
     finally:
         stop(server)
+
+
+def test_plan_shows_the_hosts_and_what_each_would_hold(servers, stories_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "ollama_engine", "plan", str(stories_path), "--ctx", "256", "--num-gpu", "2",
+         "--json", "--rpc-servers", ",".join(servers)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert [(gpu["backend"], gpu["id"], gpu["name"]) for gpu in plan["gpus"]] == [
+        ("RPC", endpoint, f"RPC[{endpoint}]") for endpoint in servers]
+    [placed] = plan["layout"]
+    assert placed["backend"] == "RPC" and placed["id"] in servers and len(placed["Layers"]) == 2
+    host = next(gpu for gpu in plan["memory"]["GPUs"] if gpu["id"] == placed["id"])
+    assert [i for i, size in enumerate(host["Weights"]) if size] == placed["Layers"]
+
+
+def write_store(root: Path, model: Path) -> Path:
+    """An Ollama model store (OLLAMA_MODELS) that names `model` tiny:latest."""
+    digest = hashlib.sha256(model.read_bytes()).hexdigest()
+    (root / "blobs").mkdir(parents=True)
+    (root / "blobs" / f"sha256-{digest}").symlink_to(model)
+    manifest = root / "manifests" / "registry.ollama.ai" / "library" / "tiny" / "latest"
+    manifest.parent.mkdir(parents=True)
+    layer = {"mediaType": "application/vnd.ollama.image.model", "digest": f"sha256:{digest}",
+             "size": model.stat().st_size}
+    manifest.write_text(json.dumps({"schemaVersion": 2, "layers": [layer]}))
+    return root
+
+
+def generate_lines(url: str, **body) -> tuple[int, list[dict]]:
+    request = urllib.request.Request(url + "/api/generate", data=json.dumps(body).encode(), method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, [json.loads(line) for line in response if line.strip()]
+    except urllib.error.HTTPError as err:
+        return err.code, [json.loads(err.read())]
+
+
+def test_serve_recovers_from_a_host_lost_mid_stream(tmp_path):
+    port = free_port()
+    endpoint = f"127.0.0.1:{port}"
+    server = start_rpc_server(port)
+    store = write_store(tmp_path / "store", write_synthetic(tmp_path / "tiny.gguf", "tiny-llama", seed=1))
+    try:
+        with serve_process(store, OLLAMA_RPC_SERVERS=endpoint) as url:
+            prompt = {"model": "tiny", "prompt": "Once upon a time"}
+            status, lines = generate_lines(url, **prompt, options={"num_predict": 4, "temperature": 0})
+            assert status == 200 and lines[-1]["done"]
+            with urllib.request.urlopen(f"{url}/api/ps", timeout=30) as response:
+                [row] = json.load(response)["models"]
+            assert row["size_vram"] > 0  # its layers are on the host
+
+            request = urllib.request.Request(url + "/api/generate", method="POST", data=json.dumps(
+                {**prompt, "options": {"num_predict": 100_000}}).encode())
+            with urllib.request.urlopen(request, timeout=120) as response:
+                assert not json.loads(response.readline())["done"]
+                stop(server)
+                lines = [json.loads(line) for line in response if line.strip()]
+            assert "Remote RPC server crashed" in lines[-1]["error"], lines[-1]
+
+            status, [error] = generate_lines(url, **prompt)  # loading again: the host is still gone
+            assert status == 500 and f"RPC server {endpoint} is unreachable" in error["error"], error
+
+            server = start_rpc_server(port)  # back: the next request loads a fresh runner
+            status, lines = generate_lines(url, **prompt, options={"num_predict": 4, "temperature": 0})
+            assert status == 200 and lines[-1]["done"]
+    finally:
+        stop(server)
+
+
+if __name__ == "__main__":
+    print(json.dumps(split_run(sys.argv[1], sys.argv[2:])))
+    sys.exit(0)
