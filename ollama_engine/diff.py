@@ -168,7 +168,7 @@ class _OursRun:
     architecture: str
     tokens: list[int]
     saved: dict[str, Path]  # name -> its values on disk, in the order the graph computed them
-    bases: set[str]  # every name our graph gives, without "-N", in any layer
+    named: set[str]  # every plain name our graph gives, in any layer, compared or not (integer tensors)
     output: Path  # logits (n, vocab) or embedding rows, on disk
     argmax: list[int]
     embedding: bool
@@ -197,12 +197,11 @@ def _run_ours(path: Path, prompt: str, layers: str | None, generate: int, thread
         if model.cache is not None:
             model.cache.init(model.backend, DType.F16, 1, len(tokens) + generate, len(tokens))
         saved: dict[str, Path] = {}
-        bases: set[str] = set()
+        named: set[str] = set()
 
         def wanted(name: str) -> bool:
-            match = _NAME.match(name)
-            if match is not None and not _UNNAMED.match(name):
-                bases.add(match[1])
+            if _NAME.match(name) is not None and not _UNNAMED.match(name):
+                named.add(name)
             return _selected(name, wanted_layers)
 
         def take(name: str, values: np.ndarray) -> None:
@@ -218,7 +217,7 @@ def _run_ours(path: Path, prompt: str, layers: str | None, generate: int, thread
         argmax = [] if embedding else logits.argmax(axis=1).tolist()
         del logits
         argmax += _greedy(lambda token, position: _decode_ours(model, token, position), argmax[-1:], n, generate)
-        run = _OursRun(model.config.architecture(), tokens, saved, bases, output, argmax, embedding,
+        run = _OursRun(model.config.architecture(), tokens, saved, named, output, argmax, embedding,
                        model.config.get_uint("pooling_type", 0) != 0, block_count)
         return run, wanted_layers
     finally:
@@ -390,8 +389,9 @@ def run_diff(path: str | Path, prompt: str, *, layers: str | None = None, tolera
             llama.close()
     result.tensors = [diffs[name] for name in ours.saved if name in diffs]
     result.ours_only = [name for name in ours.saved if name not in diffs]
-    result.missing = [name for name in llama_names if _NAME.match(name)[1] in ours.bases]
-    result.llama_only = sorted({_NAME.match(name)[1] for name in llama_names} - ours.bases)
+    bases = {_NAME.match(name)[1] for name in ours.named}
+    result.missing = [name for name in llama_names if name not in ours.named and _NAME.match(name)[1] in bases]
+    result.llama_only = sorted({_NAME.match(name)[1] for name in llama_names} - bases)
     return result
 
 
