@@ -15,7 +15,7 @@ from .cache import Cache
 
 def attention(
     ctx: Context, query: Tensor, key: Tensor | None, value: Tensor | None, scale: float, cache: Cache | None = None,
-    *, softcap: float = 0.0,
+    *, softcap: float = 0.0, sinks: Tensor | None = None,
 ) -> Tensor:
     """query (head_dim, heads, n), key/value (head_dim, kv_heads, n) -> (v_head_dim, heads, n).
 
@@ -23,7 +23,8 @@ def attention(
     cross-attention states); without one, they are the whole history and nothing is masked.
     softcap > 0 caps the scores at softcap * tanh(q·k / softcap) (Gemma 2); it needs scale 1 (a query
     scaled beforehand, as Gemma's is), since ggml's fused kernel caps scaled scores and llama.cpp's matmul
-    path raw ones.
+    path raw ones. sinks (F32, one per query head) join each head's softmax as a logit without a value
+    (gpt-oss).
     """
     if softcap and scale != 1.0:
         raise ValueError(f"attention: a softcap ({softcap}) needs scale 1, got {scale}: scale the query instead")
@@ -33,7 +34,7 @@ def attention(
     if cache is None:
         if key is None or value is None:
             raise ValueError("attention without a cache needs the key and the value")
-        return _attend(ctx, query, key, value, None, scale, False, softcap)
+        return _attend(ctx, query, key, value, None, scale, False, softcap, sinks)
 
     stored = key is not None and value is not None
     if stored:
@@ -53,7 +54,7 @@ def attention(
     out = None
     for segment in segments:
         rows = query if len(segments) == 1 else _rows(query, segment.begin, segment.count)
-        part = _attend(ctx, rows, segment.key, segment.value, segment.mask, scale, permuted_v, softcap)
+        part = _attend(ctx, rows, segment.key, segment.value, segment.mask, scale, permuted_v, softcap, sinks)
         out = part if out is None else out.concat(part, 2)
     return out.hadamard(value_rotation) if value_rotation is not None else out
 
@@ -65,7 +66,7 @@ def _rows(x: Tensor, begin: int, count: int) -> Tensor:
 
 def _attend(
     ctx: Context, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, scale: float, permuted_v: bool,
-    softcap: float,
+    softcap: float, sinks: Tensor | None = None,
 ) -> Tensor:
     """One sequence: query (head_dim, heads, n) against its history -> (v_head_dim, heads, n)."""
     q = query.permute(0, 2, 1, 3)  # (head_dim, n, heads)
@@ -75,12 +76,12 @@ def _attend(
             raise ValueError("flash attention needs a cache that stores V untransposed (permuted_v=False)")
         if mask is not None and mask.dtype != DType.F16:
             mask = mask.cast(DType.F16)
-        return q.flash_attention(k, value.permute(0, 2, 1, 3), mask, scale, softcap)
+        return q.flash_attention(k, value.permute(0, 2, 1, 3), mask, scale, softcap, sinks)
 
     if not permuted_v:
         value = value.permute(1, 2, 0, 3).contiguous()  # (history, v_head_dim, kv_heads)
     scores = k.matmul_full_precision(q)  # (history, n, heads)
     if softcap:
         scores = scores.scale(1.0 / softcap).tanh().scale(softcap)
-    scores = scores.softmax(mask, scale)
+    scores = scores.softmax(mask, scale, sinks)
     return value.matmul(scores).permute(0, 2, 1, 3).contiguous()

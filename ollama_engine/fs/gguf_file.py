@@ -24,7 +24,7 @@ from ollama_engine.fs.config import Config
 
 # The tensor types this engine can compute with.
 SUPPORTED_TYPES = frozenset(
-    GGMLQuantizationType[name] for name in "F32 F16 BF16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K".split()
+    GGMLQuantizationType[name] for name in "F32 F16 BF16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K MXFP4".split()
 )
 
 GGUF_MAGIC = b"GGUF"

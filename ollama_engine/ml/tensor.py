@@ -263,31 +263,41 @@ class Tensor:
         )
         return Tensor(ctx, handle)
 
-    def softmax(self, mask: Tensor | None = None, scale: float = 1.0) -> Tensor:
+    def softmax(self, mask: Tensor | None = None, scale: float = 1.0, sinks: Tensor | None = None) -> Tensor:
+        """softmax(self * scale + mask) along rows; sinks (F32, one per head: dim 2) add a logit to each
+        head's denominator that takes probability without a value (gpt-oss's attention sinks)."""
         if mask is not None:
             if mask.dtype not in (DType.F32, DType.F16) or mask.ne[0] != self.ne[0] or mask.ne[1] < self.ne[1]:
                 raise ShapeError(f"softmax: mask {mask.shape} for scores {self.shape}")
-        ctx = self._graph(mask)
+        _check_sinks(sinks, self.ne[2], "softmax")
+        ctx = self._graph(mask, sinks)
         handle = ops.soft_max_ext(ctx.handle, self.handle, mask.handle if mask is not None else ggml.NULL, scale, 0.0)
+        if sinks is not None:
+            ops.soft_max_add_sinks(handle, sinks.handle)
         return Tensor(ctx, handle)
 
     def flash_attention(
-        self, key: Tensor, value: Tensor, mask: Tensor | None, scale: float, softcap: float = 0.0
+        self, key: Tensor, value: Tensor, mask: Tensor | None, scale: float, softcap: float = 0.0,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         """Fused attention; q (d, n_q, heads), k/v (d, n_kv, kv_heads) -> (d_v, heads, n_q).
 
-        softcap > 0 caps the scores as softcap * tanh(scores / softcap) before the softmax (Gemma 2).
+        softcap > 0 caps the scores as softcap * tanh(scores / softcap) before the softmax (Gemma 2);
+        sinks as softmax's.
         """
         q, k, v = self.ne, key.ne, value.ne
         if q[0] != k[0] or k[1] != v[1] or q[2] % k[2] or k[2] != v[2]:
             raise ShapeError(f"flash_attention: q {self.shape}, k {key.shape}, v {value.shape}")
         if mask is not None and (mask.dtype != DType.F16 or mask.ne[0] != k[1] or mask.ne[1] < q[1]):
             raise ShapeError(f"flash_attention: mask {mask.shape} ({mask.dtype.name}) needs F16 ({k[1]}, >={q[1]})")
-        ctx = self._graph(key, value, mask)
+        _check_sinks(sinks, q[2], "flash_attention")
+        ctx = self._graph(key, value, mask, sinks)
         handle = ops.flash_attn_ext(
             ctx.handle, self.handle, key.handle, value.handle, mask.handle if mask is not None else ggml.NULL,
             scale, 0.0, softcap,
         )
+        if sinks is not None:
+            ops.flash_attn_ext_add_sinks(handle, sinks.handle)
         ops.flash_attn_ext_set_prec(handle, ops.PREC_F32)
         return Tensor(ctx, handle)
 
@@ -458,6 +468,11 @@ class Tensor:
         like._check_broadcast(self, "repeat")
         ctx = self._graph(like)
         return Tensor(ctx, ops.repeat(ctx.handle, self.handle, like.handle))
+
+
+def _check_sinks(sinks: Tensor | None, heads: int, op: str) -> None:
+    if sinks is not None and (sinks.dtype != DType.F32 or sinks.shape != (heads,)):
+        raise ShapeError(f"{op}: sinks {sinks.shape} ({sinks.dtype.name}) need one F32 per head ({heads})")
 
 
 def hadamard_matrix(n: int) -> np.ndarray:
