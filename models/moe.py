@@ -78,24 +78,26 @@ def moe(x: Tensor, experts: Experts, routing: Routing, layer: int, activation: A
         probs = logits
     probs.set_name(f"ffn_moe_probs-{layer}")
     selected = probs.argsort_top_k(r.n_used).set_name(f"ffn_moe_topk-{layer}")  # (n_used, n), I32
-    weights = probs.reshape(1, r.n_expert, n).rows(selected)  # (1, n_used, n)
+    weights = probs.reshape(1, r.n_expert, n).rows(selected).set_name(f"ffn_moe_weights-{layer}")  # (1, n_used, n)
     if r.gating == Gating.SOFTMAX_WEIGHT:
         weights = weights.reshape(r.n_used, n).softmax().reshape(1, r.n_used, n)
+        weights.set_name(f"ffn_moe_weights_softmax-{layer}")
     if r.normalize:
         flat = weights.reshape(r.n_used, n)
-        total = flat.sum_rows().clamp(6.103515625e-5, float("inf"))  # the smallest normal F16, as llama.cpp
-        weights = flat.div(total).reshape(1, r.n_used, n)
+        total = flat.sum_rows().set_name(f"ffn_moe_weights_sum-{layer}")
+        total = total.clamp(6.103515625e-5, float("inf"))  # the smallest normal F16, as llama.cpp
+        weights = flat.div(total.set_name(f"ffn_moe_weights_sum_clamped-{layer}"))
+        weights = weights.set_name(f"ffn_moe_weights_norm-{layer}").reshape(1, r.n_used, n)
     if r.scale not in (0.0, 1.0):
-        weights = weights.scale(r.scale)
-    weights.set_name(f"ffn_moe_weights-{layer}")
+        weights = weights.scale(r.scale).set_name(f"ffn_moe_weights_scaled-{layer}")
     x.ctx.forward(weights)  # routing first in the graph, as llama.cpp orders it (fused top-k kernels)
 
     x = x.reshape(n_embd, 1, n)
-    up = _biased(experts.up.matmul_id(x, selected), experts.up_bias, selected).set_name(f"ffn_moe_up-{layer}")
-    gate = _biased(experts.gate.matmul_id(x, selected), experts.gate_bias, selected).set_name(f"ffn_moe_gate-{layer}")
+    up = _biased(experts.up.matmul_id(x, selected), experts.up_bias, selected, f"ffn_moe_up-{layer}")
+    gate = _biased(experts.gate.matmul_id(x, selected), experts.gate_bias, selected, f"ffn_moe_gate-{layer}")
     hidden = activation(gate, up)  # (n_ff, n_used, n)
-    out = _biased(experts.down.matmul_id(hidden, selected), experts.down_bias, selected)  # (n_embd, n_used, n)
-    out = out.mul(weights).set_name(f"ffn_moe_weighted-{layer}")
+    out = _biased(experts.down.matmul_id(hidden, selected), experts.down_bias, selected, f"ffn_moe_down-{layer}")
+    out = out.mul(weights).set_name(f"ffn_moe_weighted-{layer}")  # (n_embd, n_used, n)
 
     total = None  # the chosen experts' outputs summed in rank order
     for i in range(r.n_used):
@@ -105,5 +107,10 @@ def moe(x: Tensor, experts: Experts, routing: Routing, layer: int, activation: A
     return (total.contiguous() if r.n_used == 1 else total).set_name(f"ffn_moe_out-{layer}")
 
 
-def _biased(x: Tensor, bias: Tensor | None, selected: Tensor) -> Tensor:
-    return x if bias is None else x.add_id(bias, selected)
+def _biased(x: Tensor, bias: Tensor | None, selected: Tensor, name: str) -> Tensor:
+    """x named `name`, plus the chosen experts' biases if there are any (named as llama.cpp names them)."""
+    x.set_name(name)
+    if bias is None:
+        return x
+    base, layer = name.rsplit("-", 1)
+    return x.add_id(bias, selected).set_name(f"{base}_biased-{layer}")
