@@ -45,7 +45,7 @@ from ollama_engine.models import Model, load_model
 
 TOLERANCE = 1e-3
 """Default relative tolerance. Both engines run the same ggml kernels, so a faithful graph differs by
-rounding only (on the real SmolLM2 Q4_1 every tensor is within 1e-4 of llama.cpp's, most bitwise)."""
+rounding at most (on the real SmolLM2 Q4_1 every tensor is bitwise equal to llama.cpp's)."""
 
 GENERATE = 8
 NEEDS_LLAMA_CPP = ("diff needs llama.cpp's Python bindings: pip install llama-cpp-python==0.3.36 "
@@ -71,6 +71,8 @@ class TensorDiff:
 
 @dataclass
 class DiffResult:
+    """Everything `diff` found: the tensors compared, the output's difference and both greedy choices."""
+
     model: str
     architecture: str
     tokens: list[int]
@@ -173,7 +175,6 @@ class _OursRun:
     argmax: list[int]
     embedding: bool
     pooled: bool
-    block_count: int
 
 
 def _run_ours(path: Path, prompt: str, layers: str | None, generate: int, threads: int, flash: bool,
@@ -185,8 +186,7 @@ def _run_ours(path: Path, prompt: str, layers: str | None, generate: int, thread
         tokens = model.tokenizer.encode(prompt)
         if not tokens:
             raise ValueError("the prompt has no tokens")
-        block_count = model.config.get_uint("block_count", 0)
-        wanted_layers = parse_layers(layers, block_count)
+        wanted_layers = parse_layers(layers, model.config.get_uint("block_count", 0))
         embedding = model.cache is None
         generate = 0 if embedding else generate
         context = model.config.get_uint("context_length", 0) or len(tokens) + generate
@@ -218,7 +218,7 @@ def _run_ours(path: Path, prompt: str, layers: str | None, generate: int, thread
         del logits
         argmax += _greedy(lambda token, position: _decode_ours(model, token, position), argmax[-1:], n, generate)
         run = _OursRun(model.config.architecture(), tokens, saved, named, output, argmax, embedding,
-                       model.config.get_uint("pooling_type", 0) != 0, block_count)
+                       model.config.get_uint("pooling_type", 0) != 0)
         return run, wanted_layers
     finally:
         model.close()
