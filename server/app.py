@@ -24,6 +24,7 @@ from ollama_engine.runner.allocate import LoadedModel, open_model
 from ollama_engine.runner.embed import embed, supports_embeddings
 from ollama_engine.runner.loop import Runner
 from ollama_engine.runner.sequence import InputTooLongError, Piece
+from ollama_engine.sample import GrammarError
 
 from .wire import (
     CompletionRequest,
@@ -212,14 +213,12 @@ class RunnerServer:
             req = CompletionRequest.from_json(await request.read())
         except WireError:
             return text_error(400, "Bad request")
-        if req.grammar:
-            return text_error(500, "failed to load model vocabulary required for format")
         await self.ready.wait()
         runner, slots = self.runner, self.slots
         assert runner is not None and slots is not None
         try:
-            seq = await asyncio.to_thread(runner.new_sequence, req.prompt, req.options)
-        except InputTooLongError as err:
+            seq = await asyncio.to_thread(runner.new_sequence, req.prompt, req.options, req.grammar)
+        except (InputTooLongError, GrammarError) as err:
             return text_error(400, str(err))
         except Exception as err:
             return text_error(500, f"Failed to create new sequence: {err}")
@@ -248,10 +247,13 @@ class RunnerServer:
             while (piece := await queue.get()) is not None:
                 await response.write(encode(completion_chunk(piece.text, piece.logprobs)))
             assert seq.done_reason is not None
-            await response.write(encode(completion_done(
-                seq.done_reason, seq.num_prompt_inputs, seq.processing_duration, seq.num_predicted,
-                seq.eval_duration(),
-            )))
+            if seq.error is not None:  # no result: the stream ends without done (the parent reports the error)
+                await response.write(encode({"error": seq.error}))
+            else:
+                await response.write(encode(completion_done(
+                    seq.done_reason, seq.num_prompt_inputs, seq.processing_duration, seq.num_predicted,
+                    seq.eval_duration(),
+                )))
         except ConnectionResetError:
             log.debug("client went away during a completion")
         finally:

@@ -246,12 +246,6 @@ def test_bad_completion_is_rejected_before_waiting_for_a_model():
         400, "text/plain; charset=utf-8", b"Bad request\n")
 
 
-def test_completion_with_a_grammar_is_refused_before_waiting_for_a_model():
-    """Grammars are not supported yet: the runner answers as Ollama's does without a vocabulary."""
-    assert call(RunnerServer(None), "POST", "/completion", b'{"Prompt": "x", "Grammar": "root ::= \\"a\\""}') == (
-        500, "text/plain; charset=utf-8", b"failed to load model vocabulary required for format\n")
-
-
 # ---------------------------------------------------------------- prompt truncation
 
 

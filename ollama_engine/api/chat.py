@@ -8,7 +8,6 @@ Ollama's chunks. `chat_chunks` / `generate_chunks` are also what the OpenAI laye
 from __future__ import annotations
 
 import asyncio
-import logging
 import secrets
 import string
 from collections.abc import Mapping, Sequence
@@ -34,18 +33,12 @@ from .prompt import (
     think_value,
 )
 
-log = logging.getLogger(__name__)
 _ID_CHARS = string.ascii_lowercase + string.digits
 
 
 def tool_call_id() -> str:
     """call_ and 8 characters of [a-z0-9], as Ollama makes them."""
     return "call_" + "".join(secrets.choice(_ID_CHARS) for _ in range(8))
-
-
-def _ignore_format(body: Mapping[str, Any]) -> None:
-    if body.get("format") not in (None, ""):
-        log.warning("format (structured output) is not supported by this runner yet: ignored")
 
 
 class ChatRoutes:
@@ -98,7 +91,6 @@ class ChatRoutes:
         keep_alive = parse_keep_alive(body.get("keep_alive"))
         opts, sampling = request_options(entry, body.get("options"))
         extra = completion_extra(body)
-        _ignore_format(body)
         state = {"tools": tools, "think": think, "keep_alive": keep_alive, "opts": opts}
         if not messages:
             return entry, None, state
@@ -177,7 +169,6 @@ class ChatRoutes:
         keep_alive = parse_keep_alive(body.get("keep_alive"))
         opts, sampling = request_options(entry, body.get("options"))
         extra = completion_extra(body)
-        _ignore_format(body)
         state = {"think": think, "keep_alive": keep_alive, "opts": opts, "raw": bool(body.get("raw"))}
         if not prompt and not body.get("suffix"):
             return entry, None, state

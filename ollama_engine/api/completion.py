@@ -18,6 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
+from ollama_engine.sample import GrammarError, format_grammar
 from ollama_engine.sched import Context, Options, RunnerFailedError, Scheduler, StatusError
 from ollama_engine.server.wire import encode
 
@@ -38,18 +39,24 @@ class Job:
     opts: Options
     sampling: dict[str, Any]
     keep_alive: float | None
-    extra: dict[str, Any] = field(default_factory=dict)  # Logprobs, TopLogprobs, Shift, Truncate
+    extra: dict[str, Any] = field(default_factory=dict)  # Grammar, Logprobs, TopLogprobs, Shift, Truncate
     start: float = field(default_factory=time.monotonic)
     load_duration: float = 0.0
     num_ctx: int = 0
 
 
 def completion_extra(body: Mapping[str, Any]) -> dict[str, Any]:
-    """logprobs / top_logprobs / truncate / shift of an API request as runner request fields."""
+    """format / logprobs / top_logprobs / truncate / shift of an API request as runner request fields."""
     top = body.get("top_logprobs") or 0
     if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20:
         raise ApiError(400, "top_logprobs must be between 0 and 20")
     extra: dict[str, Any] = {}
+    try:
+        grammar = format_grammar(body.get("format"))
+    except GrammarError as err:
+        raise ApiError(400, str(err)) from err
+    if grammar:
+        extra["Grammar"] = grammar
     if body.get("logprobs") or top:
         extra.update(Logprobs=True, TopLogprobs=top)
     for key, field_name in (("truncate", "Truncate"), ("shift", "Shift")):
@@ -76,6 +83,8 @@ async def runner_chunks(scheduler: Scheduler, job: Job) -> Chunks:
             args = (job.prompt, job.sampling) + ((job.extra,) if job.extra else ())
             try:
                 async for chunk in runner.llama.completion(*args):
+                    if "error" in chunk:  # the runner failed part-way (a grammar in an error state)
+                        raise ApiError(500, chunk["error"])
                     yield chunk
                     if chunk.get("done"):
                         return

@@ -33,7 +33,7 @@ from ollama_engine.runner.allocate import LoadedModel
 from ollama_engine.runner.cache import ReprocessInputsError
 from ollama_engine.runner.inputs import Input
 from ollama_engine.runner.sequence import DoneReason, Piece, Sequence, SequenceOptions, fit_prompt
-from ollama_engine.sample import calculate_logprobs
+from ollama_engine.sample import GrammarError, GrammarVocab, calculate_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -83,11 +83,14 @@ class Runner:
 
     # ------------------------------------------------------------ sequences
 
-    def new_sequence(self, prompt: str, options: SequenceOptions) -> Sequence:
-        """Tokenize and fit the prompt to one slot's context (raises InputTooLongError)."""
+    def new_sequence(self, prompt: str, options: SequenceOptions, grammar: str = "") -> Sequence:
+        """Tokenize and fit the prompt to one slot's context (raises InputTooLongError); compile the grammar
+        (GBNF or `%llguidance` Lark, raises GrammarError)."""
+        matcher = GrammarVocab.of(self.tokenizer).matcher(grammar) if grammar else None
         inputs = [Input(token=t) for t in self.tokenizer.encode(prompt, add_special=True)]
         inputs, num_keep = fit_prompt(inputs, self.num_ctx, options.num_keep, options.truncate)
-        return Sequence(inputs=inputs, options=options, num_keep=num_keep, num_prompt_inputs=len(inputs))
+        return Sequence(inputs=inputs, options=options, num_keep=num_keep, num_prompt_inputs=len(inputs),
+                        grammar=matcher)
 
     def add(self, seq: Sequence, sink: Callable[[Piece | None], None]) -> None:
         """Give the sequence a free place and the cache slot that best matches its prompt."""
@@ -284,9 +287,17 @@ class Runner:
             seq.processing_duration = now - (seq.started_at or now)
             seq.started_at = now
 
-        token = seq.options.sampler.sample(logits)
-        placeholder.token = token  # the next batch may already hold this input
-        if self.tokenizer.is_eog(token):
+        grammar = seq.grammar
+        try:
+            token = grammar.sample(seq.options.sampler, logits) if grammar else seq.options.sampler.sample(logits)
+            placeholder.token = token  # the next batch may already hold this input
+            if self.tokenizer.is_eog(token):
+                self._remove(index, DoneReason.STOP)
+                return
+            if grammar is not None:
+                grammar.accept(token)
+        except GrammarError as err:
+            seq.error = str(err)
             self._remove(index, DoneReason.STOP)
             return
         piece = self.tokenizer.token_piece(token)
@@ -295,7 +306,8 @@ class Runner:
             logprobs.append(calculate_logprobs(logits, token, seq.options.top_logprobs, self._token_text))
         seq.output.add(piece, logprobs)
 
-        if 0 < seq.options.num_predict <= seq.num_predicted:
+        complete = grammar is not None and grammar.finished  # nothing may follow but end-of-generation
+        if not complete and 0 < seq.options.num_predict <= seq.num_predicted:
             self._remove(index, DoneReason.LENGTH)
             return
         cut = seq.output.cut_at_stop()
@@ -307,6 +319,9 @@ class Runner:
             if cut.token_truncated:
                 keep -= 1
             del slot.inputs[max(keep, 0):]
+            self._remove(index, DoneReason.STOP)
+            return
+        if complete:
             self._remove(index, DoneReason.STOP)
             return
         if seq.output.must_hold():

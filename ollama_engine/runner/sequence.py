@@ -17,7 +17,7 @@ from enum import IntEnum
 from ollama_engine.runner.cache import InputCacheSlot
 from ollama_engine.runner.inputs import Input
 from ollama_engine.runner.text import PendingOutput
-from ollama_engine.sample import Logprob, Sampler
+from ollama_engine.sample import GrammarMatcher, Logprob, Sampler
 
 
 class DoneReason(IntEnum):
@@ -75,6 +75,10 @@ class Sequence:
     quit: threading.Event = field(default_factory=threading.Event)
     """Set by the server when the client has gone away."""
     done_reason: DoneReason | None = None
+    grammar: GrammarMatcher | None = None
+    """Constrains the sampled tokens (the request's Grammar); None: unconstrained."""
+    error: str | None = None
+    """Why the sequence failed part-way (its grammar reached an error); the stream ends without a result."""
 
     # metrics, from time.monotonic()
     started_at: float | None = None

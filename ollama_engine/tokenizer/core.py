@@ -69,6 +69,18 @@ class Tokenizer:
             ids.append(_required(self.vocab.eos_id, "EOS"))
         return ids
 
+    def encode_continuation(self, text: str) -> list[int]:
+        """Ids of text that continues other text: no BOS/EOS, no leading space added, control tokens not parsed.
+
+        Decoding them gives the text back (constrained decoding relies on it)."""
+        ids: list[int] = []
+        for fragment in self.vocab.split_special(text, parse_special=False):
+            if isinstance(fragment, SpecialFragment):
+                ids.append(fragment.token_id)
+            else:
+                ids.extend(self._segmenter.encode(fragment, after_special=False))
+        return ids
+
     def decode(self, ids: list[int], special: bool = False) -> str:
         """Ids to text, as llama_detokenize(remove_special=False, unparse_special=special).
 
