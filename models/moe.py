@@ -4,8 +4,10 @@ As llama.cpp's build_moe_ffn: the router's logits (n_expert, n) become probabili
 sigmoid, or are kept raw and softmaxed over the chosen experts only), the n_used largest pick the
 experts (descending, so the experts' outputs are summed in llama.cpp's order), their probabilities
 are optionally normalised to sum to 1 and scaled, and each chosen expert's gated FFN runs through
-ggml_mul_mat_id on the stacked expert matrices (n_embd, n_ff, n_expert). The expert weights are
-ordinary layer tensors (blk.N.ffn_*_exps), so the memory report counts them with their layer.
+ggml_mul_mat_id on the stacked expert matrices (n_embd, n_ff, n_expert). Llama 4 weighs each chosen
+expert's input instead of its output (Routing.weight_before_ffn). Shared experts are plain FFNs that the
+models add themselves. The expert weights are ordinary layer tensors (blk.N.ffn_*_exps), so the memory
+report counts them with their layer.
 """
 
 from __future__ import annotations
@@ -49,14 +51,16 @@ class Routing:
     gating: Gating
     normalize: bool  # make the chosen experts' weights sum to 1
     scale: float = 1.0  # expert_weights_scale; 0 and 1 leave the weights as they are
+    weight_before_ffn: bool = False  # Llama 4: pick by raw logit, weigh each expert's input, not its output
 
     @classmethod
-    def from_config(cls, config: Config, gating: Gating, normalize: bool, scale: float = 1.0) -> Routing:
+    def from_config(cls, config: Config, gating: Gating, normalize: bool, scale: float = 1.0,
+                    weight_before_ffn: bool = False) -> Routing:
         n_expert = require_uint(config, "expert_count")
         n_used = require_uint(config, "expert_used_count")
         if not 0 < n_used <= n_expert:
             raise ModelError(f"{config.full_key('expert_used_count')} {n_used} must be in 1..expert_count {n_expert}")
-        return cls(n_expert, n_used, gating, normalize, scale)
+        return cls(n_expert, n_used, gating, normalize, scale, weight_before_ffn)
 
 
 Activation = Callable[[Tensor, Tensor], Tensor]
@@ -77,7 +81,8 @@ def moe(x: Tensor, experts: Experts, routing: Routing, layer: int, activation: A
     else:
         probs = logits
     probs.set_name(f"ffn_moe_probs-{layer}")
-    selected = probs.argsort_top_k(r.n_used).set_name(f"ffn_moe_topk-{layer}")  # (n_used, n), I32
+    selection = logits if r.weight_before_ffn else probs  # Llama 4 applies the sigmoid after picking
+    selected = selection.argsort_top_k(r.n_used).set_name(f"ffn_moe_topk-{layer}")  # (n_used, n), I32
     weights = probs.reshape(1, r.n_expert, n).rows(selected).set_name(f"ffn_moe_weights-{layer}")  # (1, n_used, n)
     if r.gating == Gating.SOFTMAX_WEIGHT:
         weights = weights.reshape(r.n_used, n).softmax().reshape(1, r.n_used, n)
@@ -93,11 +98,14 @@ def moe(x: Tensor, experts: Experts, routing: Routing, layer: int, activation: A
     x.ctx.forward(weights)  # routing first in the graph, as llama.cpp orders it (fused top-k kernels)
 
     x = x.reshape(n_embd, 1, n)
+    if r.weight_before_ffn:
+        x = x.repeat_to(n_embd, r.n_used, n).mul(weights).set_name(f"ffn_moe_weighted-{layer}")
     up = _biased(experts.up.matmul_id(x, selected), experts.up_bias, selected, f"ffn_moe_up-{layer}")
     gate = _biased(experts.gate.matmul_id(x, selected), experts.gate_bias, selected, f"ffn_moe_gate-{layer}")
     hidden = activation(gate, up)  # (n_ff, n_used, n)
     out = _biased(experts.down.matmul_id(hidden, selected), experts.down_bias, selected, f"ffn_moe_down-{layer}")
-    out = out.mul(weights).set_name(f"ffn_moe_weighted-{layer}")  # (n_embd, n_used, n)
+    if not r.weight_before_ffn:
+        out = out.mul(weights).set_name(f"ffn_moe_weighted-{layer}")  # (n_embd, n_used, n)
 
     total = None  # the chosen experts' outputs summed in rank order
     for i in range(r.n_used):

@@ -149,7 +149,10 @@ class Tensor:
         self._check_broadcast(other, "div")
         return self._new(ops.div(self._graph(other).handle, self.handle, other.handle), other)
 
-    def scale(self, factor: float) -> Tensor:
+    def scale(self, factor: float, bias: float = 0.0) -> Tensor:
+        """self * factor + bias."""
+        if bias:
+            return self._new(ops.scale_bias(self._graph().handle, self.handle, factor, bias))
         return self._new(ops.scale(self._graph().handle, self.handle, factor))
 
     def matmul(self, other: Tensor) -> Tensor:
@@ -340,6 +343,12 @@ class Tensor:
     def exp(self) -> Tensor:
         return self._new(ops.exp(self._graph().handle, self.handle))
 
+    def log(self) -> Tensor:
+        return self._new(ops.log(self._graph().handle, self.handle))
+
+    def floor(self) -> Tensor:
+        return self._new(ops.floor(self._graph().handle, self.handle))
+
     def sqr(self) -> Tensor:
         return self._new(ops.sqr(self._graph().handle, self.handle))
 
@@ -462,6 +471,13 @@ class Tensor:
             raise ShapeError(f"pad: amounts {amounts} must be up to 4 non-negative numbers")
         padded = list(amounts) + [0] * (4 - len(amounts))
         return self._new(ops.pad(self._graph().handle, self.handle, *padded))
+
+    def repeat_to(self, *shape: int) -> Tensor:
+        """Tile self to `shape` (each of self's dimensions must divide the new one)."""
+        ne = _pad4(shape)
+        if len(shape) > 4 or any(n % m for n, m in zip(ne, self.ne, strict=True)):
+            raise ShapeError(f"repeat_to: {self.shape} does not tile {tuple(shape)}")
+        return self._new(ops.repeat_4d(self._graph().handle, self.handle, *ne))
 
     def repeat(self, like: Tensor) -> Tensor:
         """Tile self to like's shape."""

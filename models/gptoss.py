@@ -1,0 +1,152 @@
+"""gpt-oss (OpenAI's gpt-oss-20b and -120b): attention with sinks, alternating sliding windows, YaRN,
+and a mixture of experts with biases and a clamped SwiGLU.
+
+As llama.cpp's openai-moe graph (architecture "gpt-oss"; Ollama's own conversions, "gptoss", name some
+tensors differently and are not read here). Per layer:
+- attention: q, k, v (with biases) from rms_norm(h), NeoX RoPE with YaRN (rope.scaling.*: factor,
+  original context; extrapolation 1, beta 32/1), scale 1/sqrt(head_dim); each head's softmax has a
+  learned sink logit (attn_sinks: probability mass that reaches no value); even layers see only the
+  last attention.sliding_window positions (their own included), odd layers everything;
+  h += attn_output(...) + bias.
+- experts: the router (with a bias) picks expert_used_count experts by raw logit and softmaxes the
+  chosen logits; each expert is (gate + b) * sigmoid(1.702 (gate + b)) * (up + b + 1), gate capped at
+  7 and up clamped to ±7, then down + b (llama.cpp's swiglu_oai); post_attention_norm is the FFN's
+  pre-norm. The experts are usually MXFP4.
+The rows that want logits are taken after the last layer, before the output norm, as llama.cpp does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ollama_engine.fs import Config
+from ollama_engine.kvcache import Batch, Causal, Wrapper, attention
+from ollama_engine.ml import Backend, Context, RopeOptions, Tensor
+from ollama_engine.tokenizer import Tokenizer
+
+from .base import ModelError, bind, register, weight
+from .llama import Llama
+from .moe import Experts, Gating, Routing, moe
+
+SWA, GLOBAL = 0, 1  # the Wrapper's caches, by layer type
+SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
+
+
+@dataclass
+class Layer:
+    attn_norm: Tensor = weight("attn_norm.weight")
+    attn_q: Tensor = weight("attn_q.weight")
+    attn_q_bias: Tensor | None = weight("attn_q.bias", optional=True)
+    attn_k: Tensor = weight("attn_k.weight")
+    attn_k_bias: Tensor | None = weight("attn_k.bias", optional=True)
+    attn_v: Tensor = weight("attn_v.weight")
+    attn_v_bias: Tensor | None = weight("attn_v.bias", optional=True)
+    attn_output: Tensor = weight("attn_output.weight")
+    attn_output_bias: Tensor = weight("attn_output.bias")
+    attn_sinks: Tensor = weight("attn_sinks.weight")
+    rope_freqs: Tensor | None = weight("rope_freqs.weight", optional=True)
+    post_attention_norm: Tensor = weight("post_attention_norm.weight")
+
+
+def sliding_layers(config: Config, blocks: int, pattern: int) -> tuple[bool, ...]:
+    """Which layers use the sliding window (or chunks): llama.cpp's load_swa_pattern, not dense-first.
+
+    attention.sliding_window_pattern is one flag per layer, or n: every n-th layer is global (0: none is);
+    `pattern` is the architecture's n where the file has neither (gpt-oss 2, llama4 4).
+    """
+    flags = config.value("attention.sliding_window_pattern")
+    if isinstance(flags, list):
+        if len(flags) != blocks:
+            raise ModelError(f"attention.sliding_window_pattern has {len(flags)} flags for {blocks} layers")
+        return tuple(bool(f) for f in flags)
+    n = config.get_uint("attention.sliding_window_pattern", pattern)
+    return tuple(n == 0 or i % n < n - 1 for i in range(blocks))
+
+
+def yarn_options(config: Config, rope_scale: float) -> RopeOptions:
+    """NeoX RoPE with llama.cpp's YaRN parameters for rope.scaling.type "yarn" (plain NeoX otherwise).
+
+    llama.cpp's attention factor is mscale = 1 + 0.1 ln(factor) divided by the same mscale that ggml
+    applies again inside RoPE: computed in float32 as llama.cpp does, it is 1 up to rounding.
+    """
+    original = config.get_uint("rope.scaling.original_context_length", config.get_uint("context_length", 0))
+    scaling = config.get_string("rope.scaling.type", "linear")
+    if scaling not in ("none", "linear", "yarn"):
+        raise ModelError(f"rope.scaling.type {scaling!r} is not supported (none, linear, yarn)")
+    if scaling != "yarn":
+        return RopeOptions(neox=True, original_context=original)
+    factor = np.float32(1.0) / np.float32(rope_scale)
+    attention_factor = np.float32(1.0)
+    if factor > 1.0:
+        mscale = np.float32(0.1) * np.log(factor) + np.float32(1.0)
+        attention_factor = mscale * (np.float32(1.0) / mscale)
+    attention_factor *= np.float32(config.get_float("rope.scaling.attn_factor", 1.0))
+    return RopeOptions(neox=True, original_context=original, extrapolation_factor=1.0,
+                       attention_factor=float(attention_factor))
+
+
+@register("gpt-oss")
+class GptOss(Llama):
+    layer_type = Layer  # type: ignore[assignment]  # its own: biases, sinks, no dense FFN
+
+    def __init__(self, backend: Backend, tokenizer: Tokenizer | None):
+        super().__init__(backend, tokenizer)
+        o = self.options
+        self.rope_options = yarn_options(self.config, o.rope_scale)
+        self.routing = Routing.from_config(self.config, Gating.SOFTMAX_WEIGHT, normalize=False,
+                                           scale=self.config.get_float("expert_weights_scale", 0.0))
+        self.experts = [bind(Experts, backend, f"blk.{i}.") for i in range(o.block_count)]
+        self.window = self.config.get_uint("attention.sliding_window", 0)
+        self.swa = sliding_layers(self.config, o.block_count, 2) if self.window else (False,) * o.block_count
+        if any(self.swa) and self.window < 2:
+            raise ModelError(f"attention.sliding_window must be at least 2, got {self.window}")
+        # Causal's window counts the positions before a token; llama.cpp's n_swa includes the token. The
+        # sliding cache keeps 4096 positions as Ollama's does, so cells are not reused (in a different order
+        # than llama.cpp's full-size window cache) before then.
+        sliding = Causal(self.shift, window_size=max(self.window - 1, 1), memory_size=max(self.window, 4096))
+        self.cache = Wrapper(sliding, Causal(self.shift))
+
+    def qkv(self, layer: Layer, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        o, n = self.options, x.ne[1]
+        q = _biased(layer.attn_q.matmul(x), layer.attn_q_bias).reshape(o.head_dim, o.heads, n)
+        k = _biased(layer.attn_k.matmul(x), layer.attn_k_bias).reshape(o.head_dim, o.kv_heads, n)
+        v = _biased(layer.attn_v.matmul(x), layer.attn_v_bias).reshape(o.head_dim, o.kv_heads, n)
+        return q, k, v
+
+    def feed_forward(self, layer: Layer, x: Tensor, index: int) -> Tensor:
+        def swiglu_oai(gate: Tensor, up: Tensor) -> Tensor:
+            return gate.swiglu_oai(up, SWIGLU_ALPHA, SWIGLU_LIMIT)
+
+        return moe(x, self.experts[index], self.routing, index, swiglu_oai)
+
+    def forward(self, ctx: Context, batch: Batch) -> Tensor | None:
+        if batch.tokens is None:
+            raise ValueError("a text model's batch needs token ids")
+        o = self.options
+        inputs = ctx.input()
+        positions = inputs.from_numpy(batch.positions).set_name("positions")
+        h = self.weights.token_embd.rows(inputs.from_numpy(batch.tokens).set_name("tokens"))
+        for i, layer in enumerate(self.layers):
+            self.cache.set_layer(i)
+            self.cache.set_layer_type(SWA if self.swa[i] else GLOBAL)
+            q, k, v = self.qkv(layer, h.rms_norm(layer.attn_norm, o.eps).set_name(f"attn_norm-{i}"))
+            q = self.rope(q, positions, i).set_name(f"Qcur-{i}")
+            k = self.rope(k, positions, i).set_name(f"Kcur-{i}")
+            x = attention(ctx, q, k, v.set_name(f"Vcur-{i}"), o.attention_scale, self.cache, sinks=layer.attn_sinks)
+            x = x.reshape(o.head_dim * o.heads, len(batch)).set_name(f"kqv_out-{i}")
+            x = layer.attn_output.matmul(x).add(layer.attn_output_bias).set_name(f"attn_out-{i}")
+            h = x.add(h).set_name(f"ffn_inp-{i}")
+            x = h.rms_norm(layer.post_attention_norm, o.eps).set_name(f"attn_post_norm-{i}")
+            x = self.feed_forward(layer, x, i)
+            h = x.add(h).set_name(f"l_out-{i}")
+        if not len(batch.outputs):
+            return None  # the keys and values are stored; nothing else is wanted
+        h = h.rows(inputs.from_numpy(batch.outputs).set_name("outputs"))
+        h = h.rms_norm(self.weights.output_norm, o.eps).set_name("result_norm")
+        return self.weights.output.matmul(h).set_name("result_output")
+
+
+def _biased(x: Tensor, bias: Tensor | None) -> Tensor:
+    return x if bias is None else x.add(bias)
