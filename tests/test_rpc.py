@@ -64,6 +64,7 @@ def split_run(model: str, endpoints: list[str]) -> dict:
         return {
             "logits": np.asarray(logits).tolist(),
             "tokens": greedy,
+            "connections": rpc.keep_alive_connections() if endpoints else [],
             "layer_devices": [device.name for device in model.backend.layer_devices],
             "memory": model.backend.memory.to_json(),
         }
@@ -126,6 +127,9 @@ def test_a_model_split_over_two_hosts_and_the_cpu_computes_what_one_host_does(se
     logits, expected = np.array(split["logits"]), np.array(single["logits"])
     assert logits.shape == expected.shape and np.abs(logits - expected).max() < TOLERANCE
     assert split["tokens"] == single["tokens"]
+    # ggml's connections to both hosts end within rpc.KEEPALIVE_SECONDS if a host goes silent
+    assert sorted({f"{host}:{port}" for (host, port), *_ in split["connections"]}) == sorted(servers)
+    assert {(alive, timeout) for _, alive, timeout in split["connections"]} == {(1, rpc.KEEPALIVE_SECONDS * 1000)}
     # each host reports the weights and cache of its own layer, and nothing else
     for layer, endpoint in enumerate(servers):
         host = next(gpu for gpu in split["memory"]["GPUs"] if gpu["id"] == endpoint)

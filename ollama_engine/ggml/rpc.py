@@ -5,7 +5,10 @@ answer, and a server busy with another client (ggml's server serves one client a
 for the handshake forever. So `add_server` first checks the endpoint with a plain socket and a timeout: it
 connects, sends the HELLO that ggml sends, and checks the protocol version in the answer; only then does
 ggml connect. A server that dies later makes ggml abort the process with an `error:` line on stderr, which
-is how the parent learns that its runner crashed.
+is how the parent learns that its runner crashed. A host that vanishes without closing the connection (power
+lost, network cut) would leave ggml waiting on its socket forever: ggml sets no keep-alive, so a thread here
+sets TCP keep-alive and a user timeout on ggml's sockets to the servers, and a dead host ends the wait (and
+the runner, with its error) within about KEEPALIVE_SECONDS.
 
 Endpoints are `host:port` with an IPv4 address or a host name (ggml's transport is IPv4 only).
 """
@@ -13,8 +16,12 @@ Endpoints are `host:port` with an IPv4 address or a host name (ggml's transport 
 from __future__ import annotations
 
 import ipaddress
+import os
 import socket
 import struct
+import sys
+import threading
+import time
 
 from . import NULL, ffi, lib
 
@@ -22,7 +29,9 @@ AVAILABLE = hasattr(lib, "ggml_backend_rpc_add_server")
 PROBE_TIMEOUT = 5.0  # seconds for the connect, and again for the answer to HELLO
 _HELLO = 14  # RPC_CMD_HELLO, fixed across protocol versions
 _CAPS_SIZE = 24  # RPC_CONN_CAPS_SIZE: all zero asks for plain TCP
+KEEPALIVE_SECONDS = 30  # a silent host is given up after this long (keep-alive probes, unacknowledged data)
 _registered: dict[str, list] = {}  # endpoint -> its device handles, registered with ggml once per process
+_peers: set[tuple[str, int]] = set()  # (IPv4 address, port) of every registered server
 
 
 class RpcError(RuntimeError):
@@ -119,7 +128,49 @@ def add_server(endpoint: str, timeout: float = PROBE_TIMEOUT) -> list:
         raise RpcError(f"RPC server {endpoint} offers no devices")
     lib.ggml_backend_register(reg)
     _registered[endpoint] = [lib.ggml_backend_reg_dev_get(reg, i) for i in range(lib.ggml_backend_reg_dev_count(reg))]
+    if sys.platform.startswith("linux") and not _peers:
+        threading.Thread(target=_keep_alive_loop, name="rpc-keepalive", daemon=True).start()
+    _peers.add((_ipv4(host), port))
     return _registered[endpoint]
+
+
+def _keep_alive_loop(period: float = 1.0) -> None:
+    while True:
+        keep_alive_connections()
+        time.sleep(period)
+
+
+def keep_alive_connections() -> list[tuple[tuple[str, int], int, int]]:
+    """Give this process's sockets to RPC servers keep-alive and a user timeout (Linux); for each such socket
+    (peer, SO_KEEPALIVE, TCP_USER_TIMEOUT in ms) as they are now."""
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            duplicate = os.dup(int(name))  # ggml keeps its own descriptor; options are the socket's
+        except OSError:  # closed meanwhile
+            continue
+        try:
+            sock = socket.socket(fileno=duplicate)
+        except OSError:
+            os.close(duplicate)
+            continue
+        with sock:
+            try:
+                if sock.family != socket.AF_INET or sock.type != socket.SOCK_STREAM or sock.getpeername() not in _peers:
+                    continue
+                if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE):
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_SECONDS // 3)
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_SECONDS // 6)
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 4)
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, KEEPALIVE_SECONDS * 1000)
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+                found.append((sock.getpeername(), sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+                              sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT)))
+            except OSError:  # not connected, or closed meanwhile
+                continue
+    return found
 
 
 def serve(host: str, port: int, devices: list, threads: int, cache_dir: str | None = None) -> None:
