@@ -173,7 +173,7 @@ def keep_alive_connections() -> list[tuple[tuple[str, int], int, int]]:
     return found
 
 
-def serve(host: str, port: int, devices: list, threads: int, cache_dir: str | None = None) -> None:
+def serve(host: str, port: int, devices: list, threads: int) -> None:
     """Serve these ggml devices on host:port until the process ends (ggml's loop never returns on success).
 
     Returns (with RpcError) only when ggml could not start, e.g. the address is taken. The GIL is released
@@ -194,6 +194,6 @@ def serve(host: str, port: int, devices: list, threads: int, cache_dir: str | No
         except OSError as err:
             raise RpcError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
     handles = ffi.new("ggml_backend_dev_t[]", devices)
-    cache = ffi.new("char[]", cache_dir.encode()) if cache_dir else NULL
-    lib.ggml_backend_rpc_start_server(f"{host}:{port}".encode(), cache, threads, len(devices), handles)
+    # no cache directory: ggml caches only tensors written in one piece of over 10 MiB, and the loader writes 4 MiB
+    lib.ggml_backend_rpc_start_server(f"{host}:{port}".encode(), NULL, threads, len(devices), handles)
     raise RpcError(f"ggml's RPC server on {host}:{port} stopped (see its messages above)")
