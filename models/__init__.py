@@ -62,7 +62,13 @@ def _read(path: str | os.PathLike[str]) -> tuple[GGUFFile, Tokenizer]:
         return _last_read[0][1], _last_read[0][2]
     file = GGUFFile.open(path)
     model_class(file.config)  # an unknown architecture is reported before the tokenizer is built
-    tokenizer = from_metadata(file.metadata)
+    blocks = file.config.get_uint("block_count", 0)
+    if blocks > len(file.tensors):  # every block has tensors; the backend sizes per-block tables by this count
+        raise ModelError(f"{path}: block_count {blocks} but the file has only {len(file.tensors)} tensors")
+    try:
+        tokenizer = from_metadata(file.metadata)
+    except (ValueError, TypeError, AttributeError, LookupError, RuntimeError) as err:  # RuntimeError: sentencepiece
+        raise ModelError(f"{path}: invalid tokenizer metadata: {err}") from err
     _last_read[:] = [(key, file, tokenizer)]
     return file, tokenizer
 

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from ollama_engine.fs import Config
 from ollama_engine.kvcache import Batch, Cache
-from ollama_engine.ml import Backend, Context, Tensor
+from ollama_engine.ml import Backend, Context, DType, Tensor
 from ollama_engine.tokenizer import Tokenizer
 
 from .graphs import Graphs
@@ -42,9 +42,12 @@ def bind(cls: type[T], backend: Backend, prefix: str = "") -> T:
     for field in dataclasses.fields(cls):  # type: ignore[arg-type]
         name = prefix + field.metadata["gguf"]
         tensor = backend.get(name)
+        source = backend.model.path if backend.model is not None else "the backend"
         if tensor is None and not field.metadata["optional"]:
-            source = backend.model.path if backend.model is not None else "the backend"
             raise ModelError(f"{source}: model is missing required tensor {name}")
+        if tensor is not None and len(tensor.shape) == 1 and tensor.dtype != DType.F32:
+            # norms, biases and frequency factors enter element-wise ops, which ggml aborts on for other types
+            raise ModelError(f"{source}: tensor {name} is a vector of type {tensor.dtype.name}; vectors must be F32")
         values[field.name] = tensor
     return cls(**values)
 
@@ -79,6 +82,12 @@ class Model:
         self.backend = backend
         self.config = backend.model.config
         self.tokenizer = tokenizer
+        if tokenizer is not None:  # llama.cpp's rule: one embedding row and one logit per token of the vocabulary
+            for name in ("token_embd.weight", "output.weight"):
+                tensor = backend.get(name)
+                if tensor is not None and len(tensor.shape) > 1 and tensor.shape[1] != tokenizer.vocab_size:
+                    raise ModelError(f"{backend.model.path}: {name} has {tensor.shape[1]} rows for a vocabulary of "
+                                     f"{tokenizer.vocab_size} tokens")
         self.graphs = Graphs(self)
 
     def forward(self, ctx: Context, batch: Batch) -> Tensor | None:

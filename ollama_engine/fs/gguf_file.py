@@ -30,6 +30,12 @@ SUPPORTED_TYPES = frozenset(
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_NAME = 64  # GGML_MAX_NAME: ggml keeps tensor names in a 64-byte field, terminator included
+INT64_MAX = (1 << 63) - 1  # ggml counts elements and bytes in int64
+# The fewest bytes a metadata pair, an array element and a tensor info can take: a count that could not
+# fit in what is left of the file is refused before the loop that would read it.
+_MIN_KV = 8 + 1 + 4 + 1  # key length, a one-byte key, value type, a one-byte value
+_MIN_TENSOR_INFO = 8 + 1 + 4 + 8 + 4 + 8  # name length, name, n_dims, one dimension, type, offset
 
 _SCALARS: dict[GGUFValueType, str] = {
     GGUFValueType.UINT8: "<B",
@@ -171,9 +177,20 @@ class _Parser:
             return bool(value)
         return value
 
+    def count(self, count: int, min_size: int, what: str) -> int:
+        """A count read from the file, refused when that many items cannot fit in the bytes left."""
+        if count > (self.size - self.pos) // min_size:
+            raise self.error(
+                f"corrupt {self.section}: {count} {what} at offset {self.pos} cannot fit in the "
+                f"{self.size - self.pos} bytes left in the file"
+            )
+        return count
+
     def array(self, key: str) -> tuple[list[Any], GGUFValueType]:
         etype = self.value_type(key)
         count = self.u64()
+        if etype == GGUFValueType.ARRAY:  # llama.cpp refuses these too; they would nest without bound
+            raise self.error(f"corrupt metadata: key {key!r} is an array of arrays, which GGUF readers do not support")
         if etype in _SCALARS:
             dtype = np.dtype(_SCALARS[etype])
             start = self.take(count * dtype.itemsize)
@@ -183,8 +200,8 @@ class _Parser:
                     raise self.error(f"corrupt metadata: array {key!r} has a bool value other than 0 or 1")
                 return values.astype(bool).tolist(), etype
             return values.tolist(), etype
-        if etype == GGUFValueType.STRING:
-            return self.strings(count, key), etype
+        self.count(count, 8, f"strings of {key!r}")
+        return self.strings(count, key), etype
 
     def strings(self, count: int, key: str) -> list[str]:
         """`count` strings in a row: the loop of `string` without its per-call overhead (a 128k vocabulary
@@ -209,7 +226,6 @@ class _Parser:
             return [b.decode("utf-8") for b in raw]
         except UnicodeDecodeError as e:
             raise self.error(f"corrupt {self.section}: an element of {key!r} is not valid UTF-8") from e
-        return [self.array(key)[0] for _ in range(count)], etype
 
     def parse(self) -> GGUFFile:
         start = self.take(4)
@@ -222,13 +238,16 @@ class _Parser:
                 raise self.error("big-endian GGUF files are not supported")
             raise self.error(f"unsupported GGUF version {version} (supported: {SUPPORTED_VERSIONS})")
         n_tensors = self.u64()
-        n_kv = self.u64()
+        n_kv = self.count(self.u64(), _MIN_KV, "metadata pairs")
+        self.count(n_tensors, _MIN_TENSOR_INFO, "tensor infos")
 
         self.section = "metadata"
         metadata: dict[str, Any] = {}
         value_types: dict[str, tuple[GGUFValueType, GGUFValueType | None]] = {}
         for _ in range(n_kv):
             key = self.string("a key")
+            if not key:
+                raise self.error("corrupt metadata: empty key")
             if key in metadata:
                 raise self.error(f"corrupt metadata: duplicate key {key!r}")
             vtype = self.value_type(key)
@@ -255,7 +274,18 @@ class _Parser:
                     f"file ({self.size} bytes): the file is truncated or corrupt"
                 )
             tensors[name] = TensorInfo(name, ggml_type, shape, start, n_bytes)
+        self.check_overlaps(tensors.values())
         return GGUFFile(self.path, version, metadata, value_types, tensors, alignment, data_offset, self.size)
+
+    def check_overlaps(self, tensors: Any) -> None:
+        """Two tensors sharing bytes would alias each other's weights: refused, as llama.cpp does."""
+        ordered = sorted((t for t in tensors if t.n_bytes), key=lambda t: t.offset)
+        for before, after in zip(ordered, ordered[1:], strict=False):
+            if after.offset < before.offset + before.n_bytes:
+                raise self.error(
+                    f"tensor {after.name!r} data (from byte {after.offset}) overlaps tensor {before.name!r} "
+                    f"(bytes {before.offset}..{before.offset + before.n_bytes}): the file is corrupt"
+                )
 
     def alignment(
         self, metadata: dict[str, Any], value_types: dict[str, tuple[GGUFValueType, GGUFValueType | None]]
@@ -271,10 +301,14 @@ class _Parser:
 
     def tensor_info(self, alignment: int) -> tuple[str, GGMLQuantizationType, tuple[int, ...], int, int]:
         name = self.string("a tensor name")
+        if not name or len(name.encode()) >= MAX_NAME:
+            raise self.error(f"tensor name {name[:MAX_NAME]!r}: must be 1 to {MAX_NAME - 1} bytes long")
         n_dims = self.u32()
         if not 1 <= n_dims <= MAX_DIMS:
             raise self.error(f"tensor {name!r} has {n_dims} dimensions (1 to {MAX_DIMS} allowed)")
         shape = tuple(self.u64() for _ in range(n_dims))
+        if math.prod(shape) > INT64_MAX or max(shape) > INT64_MAX:
+            raise self.error(f"tensor {name!r}: shape {shape} has more elements than ggml can count (int64)")
         raw_type = self.u32()
         relative_offset = self.u64()
         try:

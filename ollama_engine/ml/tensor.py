@@ -42,6 +42,13 @@ class RopeOptions:
     beta_slow: float = 1.0
 
 
+def _epsilon(op: str, eps: float) -> float:
+    """ggml asserts eps >= 0 (a NaN fails too): a model file's bad epsilon is refused here instead."""
+    if not eps >= 0:
+        raise ShapeError(f"{op}: epsilon {eps} must be a non-negative number")
+    return eps
+
+
 def _pad4(shape: Sequence[int]) -> list[int]:
     return list(shape) + [1] * (4 - len(shape))
 
@@ -226,17 +233,17 @@ class Tensor:
     # ------------------------------------------------------------ normalisation
 
     def rms_norm(self, weight: Tensor | None, eps: float) -> Tensor:
-        out = self._new(ops.rms_norm(self._graph().handle, self.handle, eps))
+        out = self._new(ops.rms_norm(self._graph().handle, self.handle, _epsilon("rms_norm", eps)))
         return out.mul(weight) if weight is not None else out
 
     def layer_norm(self, weight: Tensor | None, bias: Tensor | None, eps: float) -> Tensor:
-        out = self._new(ops.norm(self._graph().handle, self.handle, eps))
+        out = self._new(ops.norm(self._graph().handle, self.handle, _epsilon("layer_norm", eps)))
         if weight is not None:
             out = out.mul(weight)
         return out.add(bias) if bias is not None else out
 
     def l2_norm(self, eps: float) -> Tensor:
-        return self._new(ops.l2_norm(self._graph().handle, self.handle, eps))
+        return self._new(ops.l2_norm(self._graph().handle, self.handle, _epsilon("l2_norm", eps)))
 
     # ------------------------------------------------------------ positions and attention
 
