@@ -77,6 +77,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m", help="a model of bench.py (default smollm2-135m)")
     parser.add_argument("--threads", type=int, default=2, help="threads here and on each host (default 2)")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--quiet-wait", type=float, default=120, help="seconds to wait for a quiet machine per round")
     args = parser.parse_args()
     path = ensure_model(args.model)
     endpoints, servers = start_servers(args.threads)
@@ -91,7 +92,7 @@ def main() -> None:
             engine.clear()
         times: dict[str, dict[str, list[float]]] = {e: {"pp": [], "tg": []} for e in engines}
         for round_ in range(args.rounds):
-            wait_quiet(120)
+            wait_quiet(args.quiet_wait)
             for label in list(engines) if round_ % 2 == 0 else list(reversed(engines)):
                 engine = engines[label]
                 times[label]["pp"].append(seconds(lambda: engine.prompt(tokens)))  # noqa: B023 - called at once
