@@ -78,6 +78,13 @@ MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
         {"n_layer": 32, "n_embd": 4096, "n_head": 32, "n_head_kv": 8, "n_ff": 14336, "tied_embeddings": False,
          "name": "llama-3.1-8b"},
     ),
+    # Qwen3-30B-A3B's shape scaled to ~1.0B parameters (~0.34B active, half of that the embeddings):
+    # 32 experts of width 512 per layer, 4 used per token
+    "qwen3moe-1b": (
+        "qwen3moe", "Q4_0",
+        {"n_layer": 16, "n_embd": 1024, "n_head": 16, "n_head_kv": 4, "head_dim": 128, "n_ff": 2048,
+         "n_expert": 32, "n_expert_used": 4, "n_ff_exp": 512, "context_length": 40960, "name": "qwen3moe-1b"},
+    ),
 }
 GPU_MODEL = "llama-3.1-8b"
 
