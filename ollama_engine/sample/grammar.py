@@ -117,6 +117,7 @@ class GrammarMatcher:
         self._matcher = matcher
         self._vocab = vocab
         self._mask = np.zeros((1, (vocab.n_vocab + 31) // 32), dtype=np.int32)
+        self.masks_computed = 0  # how often the sampled token was rejected (benchmarks report it)
 
     def allows(self, token: int) -> bool:
         """Whether the grammar accepts the token next (end-of-generation only where the grammar may end)."""
@@ -129,6 +130,7 @@ class GrammarMatcher:
     def allowed(self) -> np.ndarray:
         """One boolean per token of the vocabulary: may it come next?"""
         llguidance.numpy.fill_next_token_bitmask(self._matcher, self._mask)
+        self.masks_computed += 1
         if self._matcher.is_error():
             raise GrammarError(f"grammar: {self._matcher.get_error()}")
         bits = np.unpackbits(self._mask.view(np.uint8), count=self._vocab.n_vocab, bitorder="little")

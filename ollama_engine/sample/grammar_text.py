@@ -6,6 +6,10 @@ one of them as Ollama's parent does: "json" into Ollama's own GBNF (`GRAMMAR_JSO
 `%llguidance {}` + `start: %json <schema>` with the semantics of llama.cpp's schema converter that Ollama
 uses (no undeclared properties, bounded whitespace). `to_llguidance` turns either into llguidance's
 grammar, rewriting what llguidance's GBNF converter gets wrong (see the reference's pitfalls).
+
+One difference from llama.cpp's character-level GBNF engine remains: the converter makes a rule of
+terminals only one lexeme, matched as far as it goes, so a lexeme whose tail can also begin what follows
+(llama.cpp's arithmetic.gbnf: a term's trailing [ \t\n]* before the line's "\n") never gives it back.
 """
 
 from __future__ import annotations
