@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from llama_reference import Reference, compare_schedule, log_softmax
+from llama_reference import PROMPTS, Reference, compare_schedule, log_softmax
 
 from ollama_engine.fs.synthetic import write_synthetic
 from ollama_engine.kvcache import Batch, cache_dtype
@@ -131,6 +131,41 @@ def test_real_gemma3_matches_llama_cpp(gemma3_path, sequences, flash):
     differ from its solo ones by up to 0.77 (ours do not: see test_real_gemma3_batched_equals_alone)."""
     compare_schedule(gemma3_path, flash=flash, cache_type="f16", sequences=sequences, steps=4,
                      tolerance=REAL_TOLERANCE, threads=THREADS)
+
+
+def test_real_gemma3_batched_equals_alone(gemma3_path):
+    """Our matmul path: two sequences batched give the logprobs each gives alone, bitwise."""
+    model = load_model(gemma3_path, num_threads=THREADS)
+    model.backend.load()
+    model.cache.init(model.backend, cache_dtype("f16"), 2, 512, 64)
+    try:
+        texts = [model.tokenizer.encode(prompt, add_special=True) for prompt in PROMPTS]
+
+        def run(sequences: list[int]) -> list[np.ndarray]:
+            """The prompts of these sequences in one batch, then three greedy steps; logprobs per step."""
+            seqs = {s: list(texts[s]) for s in sequences}
+            batch = Batch(positions=[p for s in sequences for p in range(len(seqs[s]))],
+                          sequences=[s for s in sequences for _ in seqs[s]],
+                          outputs=np.cumsum([len(seqs[s]) for s in sequences]) - 1,
+                          tokens=[t for s in sequences for t in seqs[s]])
+            steps = []
+            for _ in range(4):
+                logits = model.graphs.compute(batch)
+                steps.append(log_softmax(logits))
+                for s, row in zip(sequences, logits, strict=True):
+                    seqs[s].append(int(row.argmax()))
+                batch = Batch(positions=[len(seqs[s]) - 1 for s in sequences], sequences=sequences,
+                              outputs=range(len(sequences)), tokens=[seqs[s][-1] for s in sequences])
+            for s in sequences:
+                model.cache.remove(s, 0)
+            return steps
+
+        both = run([0, 1])
+        alone = [np.concatenate(rows) for rows in zip(run([0]), run([1]), strict=True)]
+        for step, (x, y) in enumerate(zip(both, alone, strict=True)):
+            assert np.array_equal(x, y), f"step {step}: batched differs from alone by {np.abs(x - y).max()}"
+    finally:
+        model.close()
 
 
 def test_real_gemma3_prompt_longer_than_the_window(gemma3_path):
