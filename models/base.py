@@ -9,6 +9,18 @@ A model lists its weights as dataclass fields, each tied to a GGUF tensor name:
 
 and `bind(Layer, backend, "blk.3.")` fills them from the backend. A missing required tensor is an
 error that names it, so a file that does not fit its architecture fails at load, not mid-graph.
+Graph tensors are named as llama.cpp names them (the cb(cur, "name", il) calls in its
+src/models/<arch>.cpp), so that `ollama-engine diff` can compare them with llama.cpp's, layer by layer:
+`x.set_name(f"attn_norm-{i}")` in layer i, a bare name after the last layer. Name a tensor only where
+it means what llama.cpp's tensor of that name means (same values, same logical shape); where llama.cpp
+names several tensors alike, its last one counts. The usual ones, in order:
+
+    embd (token embeddings)  attn_norm-i  Qcur-i Kcur-i (after RoPE)  Vcur-i
+    kqv_out-i (attention, before its output projection)  attn_out-i  ffn_inp-i (residual added)
+    ffn_norm-i  ffn_gate-i ffn_up-i ffn_swiglu-i  ffn_out-i (before the residual)  l_out-i (layer output)
+    result_norm  result_output (logits)
+
+Naming costs nothing per token: a graph is built once per batch shape and reused.
 """
 
 from __future__ import annotations

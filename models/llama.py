@@ -115,7 +115,9 @@ class Llama(Model):
 
     def feed_forward(self, layer: Layer, x: Tensor, index: int) -> Tensor:
         """The FFN's output for the normed hidden states x of layer `index` (before the residual): SwiGLU."""
-        return layer.ffn_down.matmul(layer.ffn_gate.matmul(x).silu(layer.ffn_up.matmul(x)))
+        gate = layer.ffn_gate.matmul(x).set_name(f"ffn_gate-{index}")
+        up = layer.ffn_up.matmul(x).set_name(f"ffn_up-{index}")
+        return layer.ffn_down.matmul(gate.silu(up).set_name(f"ffn_swiglu-{index}"))
 
     def forward(self, ctx: Context, batch: Batch) -> Tensor | None:
         if batch.tokens is None:
@@ -123,21 +125,23 @@ class Llama(Model):
         o = self.options
         inputs = ctx.input()
         positions = inputs.from_numpy(batch.positions).set_name("positions")
-        h = self.weights.token_embd.rows(inputs.from_numpy(batch.tokens).set_name("tokens"))
+        h = self.weights.token_embd.rows(inputs.from_numpy(batch.tokens).set_name("tokens")).set_name("embd")
         outputs = inputs.from_numpy(batch.outputs).set_name("outputs") if len(batch.outputs) else None
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             self.cache.set_layer(i)
             residual = h
-            q, k, v = self.qkv(layer, h.rms_norm(layer.attn_norm, o.eps))
-            q, k = self.rope(q, positions, i), self.rope(k, positions, i)
-            h = attention(ctx, q, k, v, o.attention_scale, self.cache).reshape(o.head_dim * o.heads, len(batch))
+            q, k, v = self.qkv(layer, h.rms_norm(layer.attn_norm, o.eps).set_name(f"attn_norm-{i}"))
+            q, k = self.rope(q, positions, i).set_name(f"Qcur-{i}"), self.rope(k, positions, i).set_name(f"Kcur-{i}")
+            h = attention(ctx, q, k, v.set_name(f"Vcur-{i}"), o.attention_scale, self.cache)
+            h = h.reshape(o.head_dim * o.heads, len(batch)).set_name(f"kqv_out-{i}")
             if i == last:
                 if outputs is None:
                     return None  # the keys and values are stored; nothing else is wanted
                 h, residual = h.rows(outputs), residual.rows(outputs)
-            h = layer.attn_output.matmul(h).add(residual)
+            h = layer.attn_output.matmul(h).set_name(f"attn_out-{i}").add(residual).set_name(f"ffn_inp-{i}")
             residual = h
-            h = self.feed_forward(layer, h.rms_norm(layer.ffn_norm, o.eps), i).add(residual)
-        h = h.rms_norm(self.weights.output_norm, o.eps)
-        return self.weights.output.matmul(h)
+            h = self.feed_forward(layer, h.rms_norm(layer.ffn_norm, o.eps).set_name(f"ffn_norm-{i}"), i)
+            h = h.set_name(f"ffn_out-{i}").add(residual).set_name(f"l_out-{i}")
+        h = h.rms_norm(self.weights.output_norm, o.eps).set_name("result_norm")
+        return self.weights.output.matmul(h).set_name("result_output")
