@@ -27,6 +27,7 @@ from ollama_engine.ml import Backend, Context, RopeOptions, Tensor
 from ollama_engine.tokenizer import Tokenizer
 
 from .base import ModelError, bind, register, weight
+from .gemma2 import swa_layers
 from .llama import Llama
 from .moe import Experts, Gating, Routing, moe
 
@@ -48,21 +49,6 @@ class Layer:
     attn_sinks: Tensor = weight("attn_sinks.weight")
     rope_freqs: Tensor | None = weight("rope_freqs.weight", optional=True)
     post_attention_norm: Tensor = weight("post_attention_norm.weight")
-
-
-def sliding_layers(config: Config, blocks: int, pattern: int) -> tuple[bool, ...]:
-    """Which layers use the sliding window (or chunks): llama.cpp's load_swa_pattern, not dense-first.
-
-    attention.sliding_window_pattern is one flag per layer, or n: every n-th layer is global (0: none is);
-    `pattern` is the architecture's n where the file has neither (gpt-oss 2, llama4 4).
-    """
-    flags = config.value("attention.sliding_window_pattern")
-    if isinstance(flags, list):
-        if len(flags) != blocks:
-            raise ModelError(f"attention.sliding_window_pattern has {len(flags)} flags for {blocks} layers")
-        return tuple(bool(f) for f in flags)
-    n = config.get_uint("attention.sliding_window_pattern", pattern)
-    return tuple(n == 0 or i % n < n - 1 for i in range(blocks))
 
 
 def yarn_options(config: Config, rope_scale: float) -> RopeOptions:
@@ -99,7 +85,7 @@ class GptOss(Llama):
                                            scale=self.config.get_float("expert_weights_scale", 0.0))
         self.experts = [bind(Experts, backend, f"blk.{i}.") for i in range(o.block_count)]
         self.window = self.config.get_uint("attention.sliding_window", 0)
-        self.swa = sliding_layers(self.config, o.block_count, 2) if self.window else (False,) * o.block_count
+        self.swa = swa_layers(self.config, o.block_count, 2) if self.window else (False,) * o.block_count
         if any(self.swa) and self.window < 2:
             raise ModelError(f"attention.sliding_window must be at least 2, got {self.window}")
         # Causal's window counts the positions before a token; llama.cpp's n_swa includes the token. The

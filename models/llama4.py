@@ -22,7 +22,7 @@ from ollama_engine.ml import Backend, Context, DType, RopeOptions, Tensor
 from ollama_engine.tokenizer import Tokenizer
 
 from .base import ModelError, bind, register, weight
-from .gptoss import sliding_layers
+from .gemma2 import swa_layers
 from .llama import Llama
 from .moe import Experts, Gating, Routing, moe
 
@@ -61,7 +61,7 @@ class Llama4(Llama):
         step = c.get_uint("interleave_moe_layer_step", 0)
         self.routing = Routing.from_config(c, Gating.SIGMOID, normalize=False,
                                            scale=c.get_float("expert_weights_scale", 0.0), weight_before_ffn=True)
-        self.chunked = sliding_layers(c, o.block_count, 4)
+        self.chunked = swa_layers(c, o.block_count, 4)
         self.roped = tuple((i + 1) % 4 != 0 for i in range(o.block_count))  # n_no_rope_layer_step 4
         self.kq_norm = self.routing.n_expert != 128
         self.rope_base_chunked = c.get_float("rope.freq_base_swa", o.rope_base)
