@@ -66,6 +66,8 @@ class Options:
         if heads == 0 or kv_heads == 0 or heads % kv_heads:
             raise ModelError(f"attention.head_count {heads} must be a positive multiple of head_count_kv {kv_heads}")
         head_dim = config.get_uint("attention.key_length", hidden // heads)
+        if head_dim == 0:
+            raise ModelError(f"head size is 0 (embedding_length {hidden}, head_count {heads})")
         factor = config.get_float("rope.scaling.factor", 0.0)
         scale = config.get_float("attention.scale", 0.0)
         return cls(

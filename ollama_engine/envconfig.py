@@ -144,6 +144,7 @@ class EnvConfig:
     kv_cache_type: str = ""
     gpu_overhead: int = 0
     sched_spread: bool = False
+    origins: tuple[str, ...] = ()  # OLLAMA_ORIGINS: CORS origins allowed besides the defaults
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> EnvConfig:
@@ -165,6 +166,7 @@ class EnvConfig:
             kv_cache_type=_var(env, "OLLAMA_KV_CACHE_TYPE").lower(),
             gpu_overhead=_uint(env, "OLLAMA_GPU_OVERHEAD", 0),
             sched_spread=bool(_bool(env, "OLLAMA_SCHED_SPREAD")),
+            origins=tuple(_var(env, "OLLAMA_ORIGINS").split(",")) if _var(env, "OLLAMA_ORIGINS") else (),
         )
 
     @property

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -21,6 +22,8 @@ from ollama_engine.ml import BackendMemory, GPULayersList
 from ollama_engine.runner.allocate import LoadParams
 from ollama_engine.runner.sequence import DoneReason, SequenceOptions
 from ollama_engine.sample import MAX_TOP_LOGPROBS, Logprob, Sampler
+
+MAX_THREADS = 512  # GGML_MAX_N_THREADS
 
 
 class WireError(ValueError):
@@ -114,12 +117,49 @@ def nanoseconds(seconds: float) -> int:
 # ---------------------------------------------------------------- decoding
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"invalid character {name[0]!r} looking for beginning of value")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"json: cannot unmarshal number {text} into Go value of type float64")
+    return value
+
+
+def _replace_surrogates(value: Any) -> Any:
+    """Go decodes an unpaired UTF-16 surrogate escape as U+FFFD; Python keeps it, and it cannot be encoded."""
+    if isinstance(value, str):
+        return _SURROGATE.sub("\ufffd", value)
+    if isinstance(value, list):
+        return [_replace_surrogates(v) for v in value]
+    if isinstance(value, dict):
+        return {_replace_surrogates(k): _replace_surrogates(v) for k, v in value.items()}
+    return value
+
+
+def go_loads(body: bytes) -> Any:
+    """json.loads accepting what Go's encoding/json accepts: no NaN or Infinity, no number beyond float64,
+    unpaired surrogates read as U+FFFD. Anything else (bad UTF-8, too deep) is a WireError."""
+    try:
+        data = json.loads(body, parse_constant=_reject_constant, parse_float=_finite_float)
+    except (UnicodeDecodeError, ValueError) as err:  # JSONDecodeError is a ValueError
+        raise WireError(str(err)) from err
+    except RecursionError as err:
+        raise WireError("exceeded max depth") from err
+    if _SURROGATE_ESCAPE.search(body):
+        data = _replace_surrogates(data)
+    return data
+
+
 def decode_object(body: bytes) -> dict[str, Any]:
     """A JSON object with its keys folded to lower case (Go matches field names case-insensitively)."""
-    try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise WireError(str(err)) from err
+    data = go_loads(body)
     if not isinstance(data, dict):
         raise WireError(f"expected a JSON object, got {type(data).__name__}")
     return {key.lower(): value for key, value in data.items()}
@@ -171,6 +211,9 @@ class LoadRequest:
         operation = _typed(data, "operation", int, 0)
         if operation not in LoadOperation.__members__.values():
             raise WireError(f"Operation: unknown load operation {operation}")
+        num_threads = _typed(data, "numthreads", int, 0)
+        if not 0 <= num_threads <= MAX_THREADS:  # ggml's thread pool crashes beyond GGML_MAX_N_THREADS
+            raise WireError(f"NumThreads: {num_threads} is not between 0 and {MAX_THREADS}")
         layers = _typed(data, "gpulayers", list, [])
         try:
             gpu_layers = GPULayersList.from_json(layers)
@@ -184,7 +227,7 @@ class LoadRequest:
             flash_attention=_typed(data, "flashattention", int, 0),
             kv_size=_typed(data, "kvsize", int, 0),
             kv_cache_type=_typed(data, "kvcachetype", str, ""),
-            num_threads=_typed(data, "numthreads", int, 0),
+            num_threads=num_threads,
             gpu_layers=gpu_layers,
             multi_user_cache=_typed(data, "multiusercache", bool, False),
             projector_path=_typed(data, "projectorpath", str, ""),

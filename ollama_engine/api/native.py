@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata
-import json
 import logging
 import math
 import time
@@ -32,7 +31,7 @@ from ollama_engine.sched import (
     StatusError,
 )
 from ollama_engine.sched.types import RUNNER_OPTIONS
-from ollama_engine.server.wire import encode
+from ollama_engine.server.wire import MAX_THREADS, WireError, encode, go_loads
 
 from .catalog import ModelNotFoundError
 
@@ -93,8 +92,8 @@ async def read_json(request: web.Request) -> dict[str, Any]:
     if not body.strip():
         raise ApiError(400, "missing request body")
     try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        data = go_loads(body)
+    except WireError as err:
         raise ApiError(400, str(err)) from err
     if not isinstance(data, dict):
         raise ApiError(400, f"json: cannot unmarshal {type(data).__name__} into Go value of type api.GenerateRequest")
@@ -135,6 +134,12 @@ def split_options(options: Any) -> tuple[Options, dict[str, Any]]:
             raise ApiError(400, f'option "{key}" must be of type boolean')
         if key == "stop" and not (isinstance(value, list) and all(isinstance(s, str) for s in value)):
             raise ApiError(400, f'option "{key}" must be of type array')
+        if key in _INT_OPTIONS and not -(2**63) <= value < 2**63:  # Go's int
+            raise ApiError(400, f'option "{key}" is out of range: {value}')
+        if key == "num_thread" and value > MAX_THREADS:
+            raise ApiError(400, f'option "num_thread" must be at most {MAX_THREADS}, got {value}')
+        if key == "num_batch" and value < 1:  # the runner could not size its batches (Ollama fails the load)
+            raise ApiError(400, f'option "num_batch" must be at least 1, got {value}')
     clean = {key: (int(value) if key in _INT_OPTIONS else value) for key, value in options.items()
              if value is not None}
     sampling = {**SAMPLING_DEFAULTS, **{k: v for k, v in clean.items() if k not in RUNNER_OPTIONS}}

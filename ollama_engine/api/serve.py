@@ -19,6 +19,7 @@ from ollama_engine.store import Store
 from .catalog import Catalog
 from .chat import chat_routes
 from .embed import embed_routes
+from .middleware import allowed_origins, cors_middleware, error_middleware, host_middleware
 from .models_routes import model_routes
 from .native import native_routes
 from .openai import openai_routes
@@ -40,7 +41,8 @@ def create_app(config: EnvConfig | None = None, scheduler: Scheduler | None = No
     def resolve(name: str) -> Model:
         return catalog.resolve(name).model
 
-    app = web.Application(client_max_size=MAX_BODY)
+    middlewares = [cors_middleware(allowed_origins(config.origins)), host_middleware(config.host), error_middleware]
+    app = web.Application(client_max_size=MAX_BODY, middlewares=middlewares)
     app[SCHEDULER] = scheduler
     app[CONFIG] = config
     native_routes(app, scheduler, resolve)

@@ -111,7 +111,7 @@ class LlamaServer:
             num_ctx=self.options.num_ctx, parallel=self.num_parallel,
             batch_size=self.options.num_ctx if self.info.embedding else self.options.num_batch,
             num_gpu=self.options.num_gpu if self.options.num_gpu is not None else -1,
-            num_threads=self.options.num_thread or 0, flash_attention=flash,
+            num_threads=max(self.options.num_thread or 0, 0), flash_attention=flash,  # <= 0: the default
             kv_cache_type=self.config.kv_cache_type, gpu_overhead=self.config.gpu_overhead,
             sched_spread=self.config.sched_spread,
         )
@@ -162,7 +162,11 @@ class LlamaServer:
     ) -> AsyncIterator[dict[str, Any]]:
         """Stream /completion; a runner that dies mid-stream raises RunnerFailedError with its last words.
         `extra`: more llm.CompletionRequest fields (Logprobs, TopLogprobs, Shift, Truncate)."""
-        body = {"Prompt": prompt, "Options": dict(options), "Shift": True, "Truncate": True, **(extra or {})}
+        options = dict(options)
+        limit = 10 * (self.options.num_ctx or 0)
+        if limit and not 0 <= options.get("num_predict", -1) <= limit:  # Ollama's hard limit: no endless generation
+            options["num_predict"] = limit
+        body = {"Prompt": prompt, "Options": options, "Shift": True, "Truncate": True, **(extra or {})}
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
         try:
             async with aiohttp.ClientSession(timeout=timeout) as session, session.post(
