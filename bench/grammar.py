@@ -97,6 +97,7 @@ def main() -> None:
 
     def decode(sampler: Sampler, constrained: bool, steered: bool) -> tuple[list[float], list[float], int]:
         """Per-step seconds (whole step, and sampling alone), and how many steps computed a full mask."""
+        model.cache.remove(0, PROMPT_TOKENS)  # every run decodes the same positions after the prompt
         logits, steps, sampling, masked, at = first, [], [], 0, 0
         matcher = vocab.matcher(grammar) if constrained else None
         for step in range(args.steps):
