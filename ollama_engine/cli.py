@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
 
-from ollama_engine.api.cli import add_serve_commands
-from ollama_engine.api.client_cli import add_client_commands
-from ollama_engine.diff import add_diff_command
-from ollama_engine.llm.plan import add_plan_command
-from ollama_engine.server.cli import add_runner_command
+# Modules that register commands, with the commands each one registers. Only the module of the command
+# being run is imported (every one for help or an unknown name): `runner` starts at every model load, and
+# importing serve's, the client's, diff's and plan's modules cost it a third of its import time.
+# A command missing from its set here still works: it is unknown, so every module is imported.
+COMMAND_MODULES: tuple[tuple[str, str, frozenset[str]], ...] = (
+    ("ollama_engine.server.cli", "add_runner_command", frozenset({"runner"})),
+    ("ollama_engine.llm.plan", "add_plan_command", frozenset({"plan"})),
+    ("ollama_engine.diff", "add_diff_command", frozenset({"diff"})),
+    ("ollama_engine.api.cli", "add_serve_commands", frozenset({"serve", "stop", "ps"})),
+    ("ollama_engine.api.client_cli", "add_client_commands",
+     frozenset({"run", "list", "show", "create", "cp", "rm", "pull"})),
+)
+LOCAL_COMMANDS = frozenset({"devices", "generate", "rpc-server", "demo"})  # registered below
 
 
 def configure_logging(verbose: bool) -> None:
@@ -55,7 +64,14 @@ def generate_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def command_name(argv: list[str]) -> str | None:
+    """The command an argument list runs (the first argument not an option: -v takes no value)."""
+    return next((arg for arg in argv if not arg.startswith("-")), None)
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The command line parser; with `command`, only that command's module is imported when it names one."""
+    known = set().union(LOCAL_COMMANDS, *(names for _, _, names in COMMAND_MODULES))
     parser = argparse.ArgumentParser(prog="ollama-engine", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logs on stderr")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -67,11 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     gen.add_argument("--seed", type=int, default=-1, help="sampling seed; -1 draws one")
     gen.set_defaults(run=generate_command)
-    add_runner_command(commands)
-    add_plan_command(commands)
-    add_diff_command(commands)
-    add_serve_commands(commands)
-    add_client_commands(commands)
+    for module, register, names in COMMAND_MODULES:
+        if command not in known or command in names:
+            getattr(importlib.import_module(module), register)(commands)
     rpc_server = commands.add_parser("rpc-server", help="serve this machine's ggml devices to other hosts (RPC)")
     rpc_server.add_argument("--host", default="127.0.0.1",
                             help="IPv4 address to listen on (default: loopback only; 0.0.0.0: every interface)")
@@ -79,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     rpc_server.add_argument("--threads", type=int, default=0, help="CPU threads (default: every core)")
     rpc_server.set_defaults(run=rpc_server_command)
     for name in ("serve", "runner", "plan"):  # their runners inherit the variable
+        if name not in commands.choices:
+            continue
         commands.choices[name].add_argument(
             "--rpc-servers", metavar="HOST:PORT,...",
             help="ggml RPC servers whose devices take layers like GPUs (sets OLLAMA_RPC_SERVERS)")
@@ -89,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser(command_name(sys.argv[1:] if argv is None else argv)).parse_args(argv)
     configure_logging(args.verbose)
     if getattr(args, "rpc_servers", None):
         os.environ["OLLAMA_RPC_SERVERS"] = args.rpc_servers
