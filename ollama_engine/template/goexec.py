@@ -28,6 +28,9 @@ from ollama_engine.template.goparse import (
     Variable,
 )
 
+MAX_STEPS = 1_000_000  # template nodes one execution may walk (a chat of 1000 messages takes about 50,000)
+MAX_OUTPUT = 1 << 30  # characters one execution may write: no prompt is larger than the largest request body
+
 
 class Struct:
     """A Go struct in a template: named fields; printed by `text` (a Stringer) or Go's {a b} form."""
@@ -263,19 +266,33 @@ class Executor:
         self.root = root
         self.vars: list[tuple[str, Any]] = [("$", root)]
         self.out: list[str] = []
+        self.steps = 0  # nodes walked: a client's TEMPLATE may loop (range 1000000000), the sandbox bounds it
+        self.size = 0  # characters written
 
     def run(self, nodes: list[object]) -> str:
         self.walk(nodes, self.root)
         return "".join(self.out)
 
+    def step(self) -> None:
+        self.steps += 1
+        if self.steps > MAX_STEPS:
+            raise TemplateError(f"template execution exceeds {MAX_STEPS} steps")
+
+    def write(self, text: str) -> None:
+        self.size += len(text)
+        if self.size > MAX_OUTPUT:
+            raise TemplateError(f"template output exceeds {MAX_OUTPUT} characters")
+        self.out.append(text)
+
     def walk(self, nodes: list[object], dot: Any) -> None:
         for node in nodes:
+            self.step()
             if isinstance(node, Text):
-                self.out.append(node.text)
+                self.write(node.text)
             elif isinstance(node, Action):
                 value = self.pipe(node.pipe, dot)
                 if not node.pipe.decl:
-                    self.out.append(to_text(value))
+                    self.write(to_text(value))
             elif isinstance(node, Branch):
                 self.branch(node, dot)
             elif isinstance(node, LoopControl):
@@ -302,6 +319,8 @@ class Executor:
         elif isinstance(value, list):
             pairs = list(enumerate(value))
         elif isinstance(value, int) and not isinstance(value, bool):
+            if value > MAX_STEPS:
+                raise TemplateError(f"range over {value}: more than {MAX_STEPS} steps")
             pairs = [(i, i) for i in range(value)]
         elif value is None:
             pairs = []
@@ -313,6 +332,7 @@ class Executor:
             return
         decl = node.pipe.decl
         for key, elem in pairs:
+            self.step()
             mark = len(self.vars)
             if len(decl) == 1:
                 self.set_var(decl[0], elem, node.pipe.is_assign)

@@ -49,10 +49,31 @@ def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
 
 
+MAX_SIZE = 1 << 24  # the longest string or list `*` may build, and the largest result of `**`, in a template
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The sandbox, with `*` and `**` bounded: `{{ 'a' * 10**10 }}` in a model file must not take the server down
+    (jinja2 bounds only range())."""
+
+    intercepted_binops = frozenset(["*", "**"])
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "**":
+            if isinstance(left, int) and isinstance(right, int) and right > 0 and \
+                    abs(left) > 1 and right * max(abs(left), 2).bit_length() > MAX_SIZE:
+                raise jinja2.exceptions.SecurityError(f"{left} ** {right} is too large for a template")
+        elif isinstance(left, (str, list, tuple)) or isinstance(right, (str, list, tuple)):
+            sequence, count = (left, right) if isinstance(left, (str, list, tuple)) else (right, left)
+            if isinstance(count, int) and len(sequence) * count > MAX_SIZE:
+                raise jinja2.exceptions.SecurityError(f"a sequence of {len(sequence)} * {count} is too large for a "
+                                                      "template")
+        return super().call_binop(context, operator, left, right)
+
+
 def environment() -> ImmutableSandboxedEnvironment:
-    """A fresh environment configured as transformers' _compile_jinja_template."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
+    """A fresh environment configured as transformers' _compile_jinja_template (in a bounded sandbox)."""
+    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -107,6 +128,9 @@ class ChatTemplate:
                 add_generation_prompt=add_generation_prompt, **variables)
         except jinja2.TemplateError as error:
             raise ChatTemplateError(str(error)) from error
+        except (TypeError, ValueError, ArithmeticError, LookupError, RecursionError) as error:
+            # `{% include %}` (no loader: no file access), range() beyond the sandbox's limit, a bad operand
+            raise ChatTemplateError(f"chat template failed: {type(error).__name__}: {error}") from error
 
     def prompt(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> str:
         """`render`, then without the leading BOS text when the tokenizer adds BOS itself (no double BOS)."""
