@@ -193,7 +193,8 @@ class Tensor:
         """Experts self (K, M, n_expert) applied to other (K, n_used or 1, N) as chosen by ids (n_used, N)."""
         if ids.dtype != DType.I32:
             raise ShapeError("matmul_id: ids must be I32")
-        if self.ne[0] != other.ne[0] or ids.ne[1] != other.ne[2] or other.ne[1] not in (1, ids.ne[0]):
+        if (self.ne[0] != other.ne[0] or ids.ne[1] != other.ne[2] or other.ne[1] not in (1, ids.ne[0])
+                or self.ne[3] != 1 or other.ne[3] != 1 or ids.ne[2:] != (1, 1)):  # ggml's asserts
             raise ShapeError(f"matmul_id: experts {self.shape}, input {other.shape}, ids {ids.shape}")
         ctx = self._graph(other, ids)
         return Tensor(ctx, ops.mul_mat_id(ctx.handle, self.handle, other.handle, ids.handle))
