@@ -29,6 +29,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import numpy as np
+
 from ollama_engine.fs import Config
 from ollama_engine.kvcache import Batch, Cache
 from ollama_engine.ml import Backend, Context, DType, Tensor
@@ -86,7 +88,8 @@ class Model:
     cache: Cache | None
     reuse_graphs = False
     """True when every graph input forward() creates, apart from the cache's, is a batch array named
-    after it (see graphs.BATCH_INPUTS): then a built graph can serve later batches of the same shape."""
+    after it (see graphs.BATCH_INPUTS), or one of batch_inputs(): then a built graph can serve later batches
+    of the same shape."""
 
     def __init__(self, backend: Backend, tokenizer: Tokenizer | None):
         if backend.model is None:
@@ -104,6 +107,11 @@ class Model:
 
     def forward(self, ctx: Context, batch: Batch) -> Tensor | None:
         raise NotImplementedError
+
+    def batch_inputs(self, batch: Batch) -> dict[str, np.ndarray]:
+        """Graph inputs, by name, that forward() computes from the batch beyond its own arrays (mistral3's
+        per-position query scale): a reused graph gets them written again for each batch."""
+        return {}
 
     def shift(self, ctx: Context, layer: int, key: Tensor, delta: Tensor) -> Tensor:
         """The stored `key` of `layer` moved by `delta` positions (I32, one per cell): RoPE by the delta."""

@@ -19,17 +19,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
-from ollama_engine.fs import Config
 from ollama_engine.kvcache import Batch, Causal, Wrapper, attention
-from ollama_engine.ml import Backend, Context, RopeOptions, Tensor
+from ollama_engine.ml import Backend, Context, Tensor
 from ollama_engine.tokenizer import Tokenizer
 
 from .base import ModelError, bind, register, weight
 from .gemma2 import swa_layers
 from .llama import Llama
 from .moe import Experts, Gating, Routing, moe
+from .rope import yarn_options
 
 SWA, GLOBAL = 0, 1  # the Wrapper's caches, by layer type
 SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
@@ -51,28 +49,6 @@ class Layer:
     post_attention_norm: Tensor = weight("post_attention_norm.weight")
 
 
-def yarn_options(config: Config, rope_scale: float) -> RopeOptions:
-    """NeoX RoPE with llama.cpp's YaRN parameters for rope.scaling.type "yarn" (plain NeoX otherwise).
-
-    llama.cpp's attention factor is mscale = 1 + 0.1 ln(factor) divided by the same mscale that ggml
-    applies again inside RoPE: computed in float32 as llama.cpp does, it is 1 up to rounding.
-    """
-    original = config.get_uint("rope.scaling.original_context_length", config.get_uint("context_length", 0))
-    scaling = config.get_string("rope.scaling.type", "linear")
-    if scaling not in ("none", "linear", "yarn"):
-        raise ModelError(f"rope.scaling.type {scaling!r} is not supported (none, linear, yarn)")
-    if scaling != "yarn":
-        return RopeOptions(neox=True, original_context=original)
-    factor = np.float32(1.0) / np.float32(rope_scale)
-    attention_factor = np.float32(1.0)
-    if factor > 1.0:
-        mscale = np.float32(0.1) * np.log(factor) + np.float32(1.0)
-        attention_factor = mscale * (np.float32(1.0) / mscale)
-    attention_factor *= np.float32(config.get_float("rope.scaling.attn_factor", 1.0))
-    return RopeOptions(neox=True, original_context=original, extrapolation_factor=1.0,
-                       attention_factor=float(attention_factor))
-
-
 @register("gpt-oss")
 class GptOss(Llama):
     layer_type = Layer  # type: ignore[assignment]  # its own: biases, sinks, no dense FFN
@@ -80,7 +56,7 @@ class GptOss(Llama):
     def __init__(self, backend: Backend, tokenizer: Tokenizer | None):
         super().__init__(backend, tokenizer)
         o = self.options
-        self.rope_options = yarn_options(self.config, o.rope_scale)
+        self.rope_options = yarn_options(self.config, o.rope_scale, neox=True)
         self.routing = Routing.from_config(self.config, Gating.SOFTMAX_WEIGHT, normalize=False,
                                            scale=self.config.get_float("expert_weights_scale", 0.0))
         self.experts = [bind(Experts, backend, f"blk.{i}.") for i in range(o.block_count)]

@@ -61,6 +61,8 @@ class Graph:
             values = getattr(batch, name)
             if values is not None and len(values):
                 self.ctx.set_input(name, values)
+        for name, values in self.model.batch_inputs(batch).items():
+            self.ctx.set_input(name, values)
 
     def run(self) -> np.ndarray | None:
         """Compute the bound batch: its logits (outputs, vocab), or None if no row wants logits.

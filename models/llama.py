@@ -6,7 +6,11 @@ frequency factors (rope_freqs.weight); files without output.weight tie it to tok
 makes that copy). Only the rows whose logits are needed leave the last layer's attention.
 
 Qwen2 and Qwen3 differ only in how q, k and v are made and in the RoPE variant, so they subclass this
-one and override `qkv` and `rope_options`; Qwen3-MoE also overrides `feed_forward`.
+one and override `qkv` and `rope_options`; Qwen3-MoE also overrides `feed_forward`. Other hooks:
+`query` (phi3 scales the query itself, mistral3 by position) and `self_attention`. Norms are found by
+name on the layer: `attn_norm` and `ffn_norm` before attention and feed-forward, `post_attention_norm`
+and `post_ffw_norm` after them; a layer type that does not declare one skips it (llama has no
+post-norms, olmo2 no pre-norms).
 """
 
 from __future__ import annotations
@@ -121,10 +125,27 @@ class Llama(Model):
         up = layer.ffn_up.matmul(x).set_name(f"ffn_up-{index}")
         return layer.ffn_down.matmul(gate.silu(up).set_name(f"ffn_swiglu-{index}"))
 
+    def query(self, q: Tensor, layer: int) -> tuple[Tensor, float]:
+        """The roped query as attention takes it, and the scale attention applies to its scores."""
+        return q, self.options.attention_scale
+
+    def norm(self, x: Tensor, layer: object, name: str, index: int, label: str = "") -> Tensor:
+        """x RMS-normalised by the layer's norm `name` (named `label` or `name`), or x where there is none."""
+        weight = getattr(layer, name, None)
+        return x if weight is None else x.rms_norm(weight, self.options.eps).set_name(f"{label or name}-{index}")
+
+    def self_attention(self, ctx: Context, layer: Layer, x: Tensor, positions: Tensor, i: int) -> Tensor:
+        """Attention over the cache for the hidden states x: (head_dim * heads, n), before attn_output."""
+        o = self.options
+        q, k, v = self.qkv(layer, x)
+        q, scale = self.query(self.rope(q, positions, i).set_name(f"Qcur-{i}"), i)
+        k = self.rope(k, positions, i).set_name(f"Kcur-{i}")
+        x = attention(ctx, q, k, v.set_name(f"Vcur-{i}"), scale, self.cache)
+        return x.reshape(o.head_dim * o.heads, x.ne[2]).set_name(f"kqv_out-{i}")
+
     def forward(self, ctx: Context, batch: Batch) -> Tensor | None:
         if batch.tokens is None:
             raise ValueError("a text model's batch needs token ids")
-        o = self.options
         inputs = ctx.input()
         positions = inputs.from_numpy(batch.positions).set_name("positions")
         h = self.weights.token_embd.rows(inputs.from_numpy(batch.tokens).set_name("tokens")).set_name("embd")
@@ -132,18 +153,15 @@ class Llama(Model):
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             self.cache.set_layer(i)
-            residual = h
-            q, k, v = self.qkv(layer, h.rms_norm(layer.attn_norm, o.eps).set_name(f"attn_norm-{i}"))
-            q, k = self.rope(q, positions, i).set_name(f"Qcur-{i}"), self.rope(k, positions, i).set_name(f"Kcur-{i}")
-            h = attention(ctx, q, k, v.set_name(f"Vcur-{i}"), o.attention_scale, self.cache)
-            h = h.reshape(o.head_dim * o.heads, len(batch)).set_name(f"kqv_out-{i}")
+            x = self.self_attention(ctx, layer, self.norm(h, layer, "attn_norm", i), positions, i)
             if i == last:
                 if outputs is None:
                     return None  # the keys and values are stored; nothing else is wanted
-                h, residual = h.rows(outputs), residual.rows(outputs)
-            h = layer.attn_output.matmul(h).set_name(f"attn_out-{i}").add(residual).set_name(f"ffn_inp-{i}")
-            residual = h
-            h = self.feed_forward(layer, h.rms_norm(layer.ffn_norm, o.eps).set_name(f"ffn_norm-{i}"), i)
-            h = h.set_name(f"ffn_out-{i}").add(residual).set_name(f"l_out-{i}")
-        h = h.rms_norm(self.weights.output_norm, o.eps).set_name("result_norm")
+                x, h = x.rows(outputs), h.rows(outputs)
+            x = layer.attn_output.matmul(x).set_name(f"attn_out-{i}")
+            x = self.norm(x, layer, "post_attention_norm", i, "attn_post_norm")
+            h = x.add(h).set_name(f"ffn_inp-{i}")
+            x = self.feed_forward(layer, self.norm(h, layer, "ffn_norm", i), i).set_name(f"ffn_out-{i}")
+            h = self.norm(x, layer, "post_ffw_norm", i, "ffn_post_norm").add(h).set_name(f"l_out-{i}")
+        h = h.rms_norm(self.weights.output_norm, self.options.eps).set_name("result_norm")
         return self.weights.output.matmul(h).set_name("result_output")

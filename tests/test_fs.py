@@ -285,10 +285,10 @@ def test_unknown_tensor_type(synthetic_file: Path, tmp_path: Path) -> None:
 def test_unsupported_tensor_type(synthetic_file: Path, tmp_path: Path) -> None:
     def retype(data: bytearray) -> None:
         type_pos, _ = tensor_info_fields(data, "blk.0.attn_k.weight")
-        data[type_pos : type_pos + 4] = struct.pack("<I", gguf.GGMLQuantizationType.IQ2_XXS)
+        data[type_pos : type_pos + 4] = struct.pack("<I", gguf.GGMLQuantizationType.Q8_K)  # activations only
 
     path = damaged_copy(synthetic_file, tmp_path, retype)
-    expect_error(path, "'blk.0.attn_k.weight'", "IQ2_XXS", "does not support")
+    expect_error(path, "'blk.0.attn_k.weight'", "Q8_K", "does not support")
 
 
 def test_unknown_metadata_value_type(synthetic_file: Path, tmp_path: Path) -> None:

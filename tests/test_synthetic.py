@@ -252,7 +252,7 @@ def test_smollm_shape_with_gpt2_vocab(tmp_path: Path) -> None:
     [
         ("mamba", {}, "unknown synthetic model"),
         ("llama", {"n_layers": 3}, "unknown synthetic model option"),
-        ("llama", {"weight_type": "Q3_K"}, "unknown weight type"),
+        ("llama", {"weight_type": "Q8_K"}, "unknown weight type"),
         ("llama", {"n_head": 4, "n_head_kv": 3}, "not a multiple of n_head_kv"),
         ("qwen2", {"head_dim": 8}, re.escape("head_dim * n_head == n_embd")),
         ("bert", {"n_head_kv": 2}, "n_head_kv == n_head"),

@@ -22,9 +22,12 @@ from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType,
 
 from ollama_engine.fs.config import Config
 
-# The tensor types this engine can compute with.
+# The tensor types this engine can compute with: every type ggml's CPU backend multiplies by (the
+# others, such as Q8_K, I32 or F64, are intermediate or index types, never weights).
 SUPPORTED_TYPES = frozenset(
-    GGMLQuantizationType[name] for name in "F32 F16 BF16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K MXFP4".split()
+    GGMLQuantizationType[name] for name in (
+        "F32 F16 BF16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K IQ1_S IQ1_M IQ2_XXS IQ2_XS IQ2_S "
+        "IQ3_XXS IQ3_S IQ4_NL IQ4_XS TQ1_0 TQ2_0 MXFP4 NVFP4 Q1_0").split()
 )
 
 GGUF_MAGIC = b"GGUF"

@@ -28,18 +28,24 @@ from gguf import GGML_QUANT_SIZES, MODEL_TENSOR, TENSOR_NAMES, GGMLQuantizationT
 from ollama_engine import paths
 from ollama_engine.fs.gguf_file import GGUFFile
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "bert", "gemma2", "gemma3", "qwen3moe", "nomic-bert")
-_ROPE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3moe", "nomic-bert")
-_POST_NORM_ARCHITECTURES = ("gemma2", "gemma3")  # post-attention and post-FFN norms
+ARCHITECTURES = (
+    "llama", "qwen2", "qwen3", "bert", "gemma2", "gemma3", "qwen3moe", "nomic-bert", "phi3", "olmo2", "mistral3",
+)
+_ROPE_ARCHITECTURES = (
+    "llama", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3moe", "nomic-bert", "phi3", "olmo2", "mistral3",
+)
+_POST_NORM_ARCHITECTURES = ("gemma2", "gemma3", "olmo2")  # olmo2: post-norms only, q/k norms over all heads
 _MOE_ARCHITECTURES = ("qwen3moe",)  # a router and stacked experts instead of the FFN
 _BERT_ARCHITECTURES = ("bert", "nomic-bert")  # encoders: post-norm, pooled
 
+# Every type ggml quantizes to and computes with (Q2_0 aside: gguf-py does not know it yet), and the
+# general.file_type llama-quantize writes for it. K and IQ types need rows that are multiples of 256.
+_FILE_TYPES = {"F32": "ALL_F32", "Q3_K": "MOSTLY_Q3_K_M", "Q4_K": "MOSTLY_Q4_K_M", "Q5_K": "MOSTLY_Q5_K_M",
+               "MXFP4": "MOSTLY_MXFP4_MOE"}  # the others: MOSTLY_<type>
 WEIGHT_TYPES = {
-    "F32": (GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
-    "F16": (GGMLQuantizationType.F16, gguf.LlamaFileType.MOSTLY_F16),
-    "Q8_0": (GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
-    "Q4_0": (GGMLQuantizationType.Q4_0, gguf.LlamaFileType.MOSTLY_Q4_0),
-    "Q4_K": (GGMLQuantizationType.Q4_K, gguf.LlamaFileType.MOSTLY_Q4_K_M),
+    name: (GGMLQuantizationType[name], gguf.LlamaFileType[_FILE_TYPES.get(name, f"MOSTLY_{name}")])
+    for name in ("F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ1_S IQ1_M IQ2_XXS IQ2_XS "
+                 "IQ2_S IQ3_XXS IQ3_S IQ4_NL IQ4_XS TQ1_0 TQ2_0 MXFP4 NVFP4 Q1_0").split()
 }
 
 _CHUNK_ELEMENTS = 1 << 24  # large matrices are generated and quantized this many elements at a time
@@ -74,6 +80,14 @@ class ModelSpec:
     n_expert: int = 0  # mixtures of experts: experts per layer, experts used per token, an expert's width
     n_expert_used: int = 0
     n_ff_exp: int = 0
+    embedding_type: str | None = None  # token_embd's and output's type where it differs (llama-quantize's
+    # --token-embedding-type and --output-tensor-type)
+    original_context: int | None = None  # rope.scaling.original_context_length (phi3's factors, YaRN)
+    rope_scaling_type: str | None = None  # rope.scaling.type and .factor (mistral3: "yarn")
+    rope_scaling_factor: float | None = None
+    rope_attn_factor: float | None = None  # rope.scaling.attn_factor (phi3's long context)
+    yarn_log_mul: float | None = None  # rope.scaling.yarn_log_multiplier (mistral3)
+    attn_temperature_scale: float | None = None  # attention.temperature_scale (mistral3, Llama 4's scaling)
     name: str = "synthetic"
 
     @property
@@ -203,6 +217,56 @@ PRESETS: dict[str, ModelSpec] = {
         rope_base_swa=10000.0,
         name="tiny-gemma3",
     ),
+    # phi3: fused q/k/v and gate/up, LongRoPE factors (long ones: contexts over 64), a window llama.cpp ignores
+    "tiny-phi3": ModelSpec(
+        arch="phi3",
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        n_head_kv=2,
+        n_ff=128,
+        vocab="phi-3",
+        context_length=512,
+        tied_embeddings=False,
+        sliding_window=8,
+        original_context=64,
+        rope_attn_factor=1.19,
+        name="tiny-phi3",
+    ),
+    "tiny-olmo2": ModelSpec(
+        arch="olmo2",
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        n_head_kv=2,
+        n_ff=128,
+        vocab="gpt-2",
+        context_length=512,
+        rope_base=500000.0,
+        eps=1e-6,
+        tied_embeddings=False,
+        qk_norm=True,
+        name="tiny-olmo2",
+    ),
+    # mistral3 as Ministral 3: YaRN and a query temperature that changes every 16 positions
+    "tiny-mistral3": ModelSpec(
+        arch="mistral3",
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        n_head_kv=2,
+        n_ff=128,
+        vocab="llama-spm",
+        head_dim=32,
+        context_length=512,
+        rope_base=1000000.0,
+        original_context=16,
+        rope_scaling_type="yarn",
+        rope_scaling_factor=4.0,
+        yarn_log_mul=1.0,
+        attn_temperature_scale=0.1,
+        name="tiny-mistral3",
+    ),
     "smollm2-135m": ModelSpec(
         arch="llama",
         n_layer=30,
@@ -307,6 +371,8 @@ class _Tensor:
 
 
 def _check(spec: ModelSpec) -> None:
+    if spec.embedding_type is not None and spec.embedding_type not in WEIGHT_TYPES:
+        raise ValueError(f"unknown embedding type {spec.embedding_type!r}: choose one of {tuple(WEIGHT_TYPES)}")
     if spec.arch not in ARCHITECTURES:
         raise ValueError(f"unsupported synthetic architecture {spec.arch!r}: choose one of {ARCHITECTURES}")
     if min(spec.n_layer, spec.n_embd, spec.n_head, spec.n_head_kv, spec.n_ff, spec.n_rot) < 1:
@@ -329,19 +395,22 @@ def _tensor_plan(spec: ModelSpec, n_vocab: int, qtype: GGMLQuantizationType) -> 
 
     def tensor(key: MODEL_TENSOR, suffix: str, shape: tuple[int, ...], kind: str, bid: int = 0) -> _Tensor:
         name = TENSOR_NAMES[key].format(bid=bid) + "." + suffix
+        own = qtype
+        if kind == "embedding":  # token_embd and output, in their own type where the spec names one
+            kind, own = "matrix", WEIGHT_TYPES[spec.embedding_type][0] if spec.embedding_type else qtype
         if kind != "matrix":
             return _Tensor(name, shape, kind, f32)
-        block_size = GGML_QUANT_SIZES[qtype][0]
+        block_size = GGML_QUANT_SIZES[own][0]
         if shape[0] % block_size:
             raise ValueError(
-                f"{spec.name}: {name} has rows of {shape[0]}, not a multiple of the {qtype.name} block "
+                f"{spec.name}: {name} has rows of {shape[0]}, not a multiple of the {own.name} block "
                 f"size {block_size}; choose sizes that are"
             )
-        return _Tensor(name, shape, kind, qtype)
+        return _Tensor(name, shape, kind, own)
 
     n_embd, n_ff = spec.n_embd, spec.n_ff
     n_q, n_kv = spec.n_head * spec.n_rot, spec.n_head_kv * spec.n_rot
-    yield tensor(MODEL_TENSOR.TOKEN_EMBD, "weight", (n_embd, n_vocab), "matrix")
+    yield tensor(MODEL_TENSOR.TOKEN_EMBD, "weight", (n_embd, n_vocab), "embedding")
 
     if spec.arch == "nomic-bert":
         yield from _nomic_bert_tensors(tensor, spec)
@@ -373,11 +442,15 @@ def _tensor_plan(spec: ModelSpec, n_vocab: int, qtype: GGMLQuantizationType) -> 
 
     yield tensor(MODEL_TENSOR.OUTPUT_NORM, "weight", (n_embd,), "norm")
     if not spec.tied_embeddings:
-        yield tensor(MODEL_TENSOR.OUTPUT, "weight", (n_embd, n_vocab), "matrix")
+        yield tensor(MODEL_TENSOR.OUTPUT, "weight", (n_embd, n_vocab), "embedding")
     if spec.rope_freqs:
         yield tensor(MODEL_TENSOR.ROPE_FREQS, "weight", (spec.n_rot // 2,), "rope_freqs")
+    if spec.arch == "phi3":
+        yield from _phi3_tensors(tensor, spec)
+        return
     for i in range(spec.n_layer):
-        yield tensor(MODEL_TENSOR.ATTN_NORM, "weight", (n_embd,), "norm", i)
+        if spec.arch != "olmo2":  # olmo2 has no pre-norms
+            yield tensor(MODEL_TENSOR.ATTN_NORM, "weight", (n_embd,), "norm", i)
         for key, shape in (
             (MODEL_TENSOR.ATTN_Q, (n_embd, n_q)),
             (MODEL_TENSOR.ATTN_K, (n_embd, n_kv)),
@@ -387,19 +460,36 @@ def _tensor_plan(spec: ModelSpec, n_vocab: int, qtype: GGMLQuantizationType) -> 
             if spec.qkv_bias:
                 yield tensor(key, "bias", shape[1:], "bias", i)
         if spec.qk_norm:
-            yield tensor(MODEL_TENSOR.ATTN_Q_NORM, "weight", (spec.n_rot,), "norm", i)
-            yield tensor(MODEL_TENSOR.ATTN_K_NORM, "weight", (spec.n_rot,), "norm", i)
+            width = (n_q, n_kv) if spec.arch == "olmo2" else (spec.n_rot, spec.n_rot)
+            yield tensor(MODEL_TENSOR.ATTN_Q_NORM, "weight", width[:1], "norm", i)
+            yield tensor(MODEL_TENSOR.ATTN_K_NORM, "weight", width[1:], "norm", i)
         yield tensor(MODEL_TENSOR.ATTN_OUT, "weight", (n_q, n_embd), "matrix", i)
         if spec.arch in _POST_NORM_ARCHITECTURES:
             yield tensor(MODEL_TENSOR.ATTN_POST_NORM, "weight", (n_embd,), "norm", i)
             yield tensor(MODEL_TENSOR.FFN_POST_NORM, "weight", (n_embd,), "norm", i)
-        yield tensor(MODEL_TENSOR.FFN_NORM, "weight", (n_embd,), "norm", i)
+        if spec.arch != "olmo2":  # olmo2 has no pre-norms
+            yield tensor(MODEL_TENSOR.FFN_NORM, "weight", (n_embd,), "norm", i)
         if spec.arch in _MOE_ARCHITECTURES:
             yield from _expert_tensors(tensor, spec, i)
             continue
         yield tensor(MODEL_TENSOR.FFN_GATE, "weight", (n_embd, n_ff), "matrix", i)
         yield tensor(MODEL_TENSOR.FFN_DOWN, "weight", (n_ff, n_embd), "matrix", i)
         yield tensor(MODEL_TENSOR.FFN_UP, "weight", (n_embd, n_ff), "matrix", i)
+
+
+def _phi3_tensors(tensor, spec: ModelSpec) -> Iterator[_Tensor]:
+    """Phi-3's LongRoPE factors (where original_context is set) and layers: fused q/k/v and gate/up."""
+    n_embd, n_ff, n_qkv = spec.n_embd, spec.n_ff, (spec.n_head + 2 * spec.n_head_kv) * spec.n_rot
+    if spec.original_context is not None:
+        yield tensor(MODEL_TENSOR.ROPE_FACTORS_LONG, "weight", (spec.n_rot // 2,), "rope_freqs")
+        yield tensor(MODEL_TENSOR.ROPE_FACTORS_SHORT, "weight", (spec.n_rot // 2,), "rope_freqs")
+    for i in range(spec.n_layer):
+        yield tensor(MODEL_TENSOR.ATTN_NORM, "weight", (n_embd,), "norm", i)
+        yield tensor(MODEL_TENSOR.ATTN_QKV, "weight", (n_embd, n_qkv), "matrix", i)
+        yield tensor(MODEL_TENSOR.ATTN_OUT, "weight", (spec.n_head * spec.n_rot, n_embd), "matrix", i)
+        yield tensor(MODEL_TENSOR.FFN_NORM, "weight", (n_embd,), "norm", i)
+        yield tensor(MODEL_TENSOR.FFN_UP, "weight", (n_embd, 2 * n_ff), "matrix", i)
+        yield tensor(MODEL_TENSOR.FFN_DOWN, "weight", (n_ff, n_embd), "matrix", i)
 
 
 def _nomic_bert_tensors(tensor, spec: ModelSpec) -> Iterator[_Tensor]:
@@ -466,6 +556,16 @@ def _add_hparams(writer: gguf.GGUFWriter, spec: ModelSpec, n_vocab: int, file_ty
                        ("final_logit_softcapping", spec.final_softcap)):
         if value is not None:
             writer.add_float32(f"{spec.arch}.{key}", value)
+    if spec.original_context is not None:
+        writer.add_rope_scaling_orig_ctx_len(spec.original_context)
+    if spec.rope_scaling_type is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType(spec.rope_scaling_type))
+    for key, value in (("rope.scaling.factor", spec.rope_scaling_factor), ("rope.scaling.attn_factor",
+                       spec.rope_attn_factor), ("rope.scaling.yarn_log_multiplier", spec.yarn_log_mul),
+                       ("attention.temperature_scale", spec.attn_temperature_scale)):
+        if value is not None:
+            writer.add_float32(f"{spec.arch}.{key}", value)
+
 
 
 def _tokenizer_values(spec: ModelSpec) -> dict[str, tuple[Any, GGUFValueType, GGUFValueType | None]]:
@@ -503,6 +603,9 @@ def _tokenizer_values(spec: ModelSpec) -> dict[str, tuple[Any, GGUFValueType, GG
 def _generate(t: _Tensor, spec: ModelSpec, seed: int) -> np.ndarray:
     """The tensor's data, encoded in its type, as the array GGUFWriter writes."""
     if t.kind == "rope_freqs":
+        if "rope_factors_" in t.name:  # phi3's: long ones rising from 1 to 16, short ones near 1
+            return (np.geomspace(1.0, 16.0, t.shape[0]) if "long" in t.name else np.linspace(1.0, 1.3, t.shape[0])
+                    ).astype(np.float32)
         return _llama3_rope_factors(spec)
     rng = np.random.default_rng([seed, zlib.crc32(t.name.encode())])
     if t.kind == "norm":
@@ -529,12 +632,12 @@ def _encode(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
         return data
     if qtype == GGMLQuantizationType.F16:
         return data.astype(np.float16)
-    if qtype == GGMLQuantizationType.Q4_K:
-        # gguf.quants has no Q4_K quantizer: use ggml's own (lazy: the bindings may not be built).
-        from ollama_engine.ggml import quantize
+    # ggml's own quantizers, as llama-quantize's (lazy import: the bindings may not be built). IQ1_S,
+    # IQ2_XXS and IQ2_XS need an importance matrix: a uniform one, as activations of unit variance give.
+    from ollama_engine.ggml import quantize, requires_importance
 
-        return quantize(int(qtype), data).reshape(data.shape[0], -1)
-    return gguf.quants.quantize(data, qtype)
+    importance = np.ones(data.shape[1], dtype=np.float32) if requires_importance(int(qtype)) else None
+    return quantize(int(qtype), data, importance).reshape(data.shape[0], -1)
 
 
 def _llama3_rope_factors(spec: ModelSpec) -> np.ndarray:

@@ -61,13 +61,27 @@ class GGMLType(enum.IntEnum):
     Q5_K = lib.GGML_TYPE_Q5_K
     Q6_K = lib.GGML_TYPE_Q6_K
     Q8_K = lib.GGML_TYPE_Q8_K
+    IQ2_XXS = lib.GGML_TYPE_IQ2_XXS
+    IQ2_XS = lib.GGML_TYPE_IQ2_XS
+    IQ3_XXS = lib.GGML_TYPE_IQ3_XXS
+    IQ1_S = lib.GGML_TYPE_IQ1_S
+    IQ4_NL = lib.GGML_TYPE_IQ4_NL
+    IQ3_S = lib.GGML_TYPE_IQ3_S
+    IQ2_S = lib.GGML_TYPE_IQ2_S
+    IQ4_XS = lib.GGML_TYPE_IQ4_XS
     I8 = lib.GGML_TYPE_I8
     I16 = lib.GGML_TYPE_I16
     I32 = lib.GGML_TYPE_I32
     I64 = lib.GGML_TYPE_I64
     F64 = lib.GGML_TYPE_F64
+    IQ1_M = lib.GGML_TYPE_IQ1_M
     BF16 = lib.GGML_TYPE_BF16
+    TQ1_0 = lib.GGML_TYPE_TQ1_0
+    TQ2_0 = lib.GGML_TYPE_TQ2_0
     MXFP4 = lib.GGML_TYPE_MXFP4
+    NVFP4 = lib.GGML_TYPE_NVFP4
+    Q1_0 = lib.GGML_TYPE_Q1_0
+    Q2_0 = lib.GGML_TYPE_Q2_0
 
 
 NUMPY_TYPES: dict[GGMLType, np.dtype] = {
@@ -253,20 +267,37 @@ def host_view(t) -> np.ndarray | None:
 # ---------------------------------------------------------------- quantization
 
 
-def quantize(ggml_type: int, data: np.ndarray) -> np.ndarray:
-    """Quantize rows of float32 (shape (rows, cols)) to `ggml_type`; returns the raw blocks as uint8."""
+def requires_importance(ggml_type: int) -> bool:
+    """Whether ggml quantizes to this type only with an importance matrix (IQ2_XXS, IQ2_XS, IQ1_S)."""
+    return bool(lib.ggml_quantize_requires_imatrix(ggml_type))
+
+
+def quantize(ggml_type: int, data: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
+    """Quantize rows of float32 (shape (rows, cols)) to `ggml_type`; returns the raw blocks as uint8.
+
+    `importance` (cols,) weighs each column's rounding error, as llama-quantize's --imatrix does (the
+    mean squared activation each column sees); the types of requires_importance() need one.
+    """
     rows = np.ascontiguousarray(data, dtype=np.float32)
     if rows.ndim == 1:
         rows = rows[None, :]
     if rows.ndim != 2:
         raise ValueError(f"quantize takes a 2-D array of rows, got shape {data.shape}")
     n_rows, n_cols = rows.shape
+    if type_name(ggml_type) in ("q8_1", "q8_K") or not block_size(ggml_type):
+        raise ValueError(f"ggml cannot quantize to {type_name(ggml_type)}")
     out = np.empty(n_rows * row_size(ggml_type, n_cols), dtype=np.uint8)
-    lib.ggml_quantize_init(ggml_type)
-    if lib.ggml_quantize_requires_imatrix(ggml_type):
+    weights = NULL
+    if importance is not None:
+        importance = np.ascontiguousarray(importance, dtype=np.float32)
+        if importance.shape != (n_cols,):
+            raise ValueError(f"an importance matrix for rows of {n_cols} has shape ({n_cols},), got {importance.shape}")
+        weights = ffi.cast("float *", ffi.from_buffer(importance))
+    elif requires_importance(ggml_type):
         raise ValueError(f"{type_name(ggml_type)} needs an importance matrix")
+    lib.ggml_quantize_init(ggml_type)
     written = lib.ggml_quantize_chunk(
-        ggml_type, ffi.cast("float *", ffi.from_buffer(rows)), ffi.from_buffer(out), 0, n_rows, n_cols, NULL
+        ggml_type, ffi.cast("float *", ffi.from_buffer(rows)), ffi.from_buffer(out), 0, n_rows, n_cols, weights
     )
     if written != out.nbytes:
         raise RuntimeError(f"ggml_quantize_chunk wrote {written} bytes, expected {out.nbytes}")

@@ -1,0 +1,43 @@
+"""RoPE options shared by architectures: llama.cpp's YaRN (gpt-oss, mistral3)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ollama_engine.fs import Config
+from ollama_engine.ml import RopeOptions
+
+from .base import ModelError
+
+
+def yarn_options(config: Config, rope_scale: float, *, neox: bool, tuned: bool = False) -> RopeOptions:
+    """RoPE with llama.cpp's YaRN parameters for rope.scaling.type "yarn" (plain RoPE otherwise).
+
+    As llama_context's constructor: extrapolation 1, betas 32 and 1, the original context from
+    rope.scaling.original_context_length, and the attention factor mscale = 1 + 0.1 ln(factor) divided
+    by the mscale that ggml applies again inside RoPE, times rope.scaling.attn_factor; computed in
+    float32, as llama.cpp does. `tuned` architectures (mistral3) also read what their llama.cpp loaders
+    read: the betas rope.scaling.yarn_beta_fast/slow (Ollama's conversions: rope.scaling.beta_fast/slow)
+    and rope.scaling.yarn_log_multiplier, which divides mscale by 1 + 0.1 log_mul ln(factor).
+    """
+    original = config.get_uint("rope.scaling.original_context_length", config.get_uint("context_length", 0))
+    scaling = config.get_string("rope.scaling.type", "linear")
+    if scaling not in ("", "none", "linear", "yarn"):  # Ollama's converters may write "" for none
+        raise ModelError(f"rope.scaling.type {scaling!r} is not supported (none, linear, yarn)")
+    if scaling != "yarn":
+        return RopeOptions(neox=neox, original_context=original)
+    one, tenth = np.float32(1.0), np.float32(0.1)
+    factor = one / np.float32(rope_scale)
+    attention_factor = one
+    if factor > one:
+        log_mul = np.float32(config.get_float("rope.scaling.yarn_log_multiplier", 0.0) if tuned else 0.0)
+        mscale = tenth * np.log(factor) + one
+        attention_factor = mscale / (tenth * log_mul * np.log(factor) + one) if log_mul else mscale
+        attention_factor *= one / mscale
+    attention_factor *= np.float32(config.get_float("rope.scaling.attn_factor", 1.0))
+    beta_fast, beta_slow = 32.0, 1.0
+    if tuned:
+        beta_fast = config.get_float("rope.scaling.yarn_beta_fast", config.get_float("rope.scaling.beta_fast", 32.0))
+        beta_slow = config.get_float("rope.scaling.yarn_beta_slow", config.get_float("rope.scaling.beta_slow", 1.0))
+    return RopeOptions(neox=neox, original_context=original, extrapolation_factor=1.0,
+                       attention_factor=float(attention_factor), beta_fast=beta_fast, beta_slow=beta_slow)
