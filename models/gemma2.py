@@ -58,6 +58,7 @@ class GemmaOptions:
 
     swa: tuple[bool, ...]  # per layer
     window: int  # llama.cpp's n_swa: a sliding layer sees this many positions, its own included
+    rope_base: float  # of the global layers
     rope_base_swa: float
     rope_scale_swa: float
     query_scale: float
@@ -95,6 +96,7 @@ class Gemma2(Llama):
         return GemmaOptions(
             swa=swa_layers(config, o.block_count, 2),
             window=config.get_uint("attention.sliding_window", 4096),
+            rope_base=o.rope_base,
             rope_base_swa=config.get_float("rope.freq_base_swa", o.rope_base),
             rope_scale_swa=o.rope_scale,
             query_scale=query_scale(o, 46),
@@ -104,7 +106,7 @@ class Gemma2(Llama):
 
     def rope(self, x: Tensor, positions: Tensor, layer: int) -> Tensor:
         o, g = self.options, self.gemma
-        base, scale = (g.rope_base_swa, g.rope_scale_swa) if g.swa[layer] else (o.rope_base, o.rope_scale)
+        base, scale = (g.rope_base_swa, g.rope_scale_swa) if g.swa[layer] else (g.rope_base, o.rope_scale)
         return x.rope(positions, o.rope_dims, base, scale, None, self.rope_options)
 
     def forward(self, ctx: Context, batch: Batch) -> Tensor | None:

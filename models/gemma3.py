@@ -2,8 +2,9 @@
 
 As llama.cpp's gemma3 graph: five sliding-window layers to one global layer unless the file says
 otherwise (attention.sliding_window_pattern); sliding layers use RoPE base rope.freq_base_swa (default
-10000) without scaling, global ones rope.freq_base with rope.scaling; final logits soft-capped only
-when the file sets final_logit_softcapping. A file without attention.sliding_window is all global.
+10000) without scaling, global ones rope.freq_base (default 1e6, as Ollama's) with rope.scaling; final
+logits soft-capped only when the file sets final_logit_softcapping. A file without
+attention.sliding_window is all global.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ class Gemma3(Gemma2):
         return GemmaOptions(
             swa=swa,
             window=window,
-            rope_base_swa=config.get_float("rope.freq_base_swa", 10000.0),
+            # Ollama's own conversions name the bases rope.global/local.freq_base (or leave them out)
+            rope_base=config.get_float("rope.freq_base", config.get_float("rope.global.freq_base", 1000000.0)),
+            rope_base_swa=config.get_float("rope.freq_base_swa", config.get_float("rope.local.freq_base", 10000.0)),
             rope_scale_swa=1.0,
             query_scale=query_scale(o, 62),
             attn_softcap=0.0,

@@ -203,3 +203,37 @@ def test_real_gemma3_context_shift_matches_llama_cpp(gemma3_path):
     tokens = encode(gemma3_path, "In a small village by the sea, there lived a fisherman who had three sons and a "
                                  "very old boat")
     shift_then_decode(gemma3_path, tokens, keep=4, discard=8, steps=4, tolerance=REAL_TOLERANCE)
+
+
+# ---------------------------------------------------------------- hyper-parameters of the files in the wild
+
+
+def gemma_options(arch: str, **keys):
+    from ollama_engine.fs import Config
+    from ollama_engine.models.gemma2 import Gemma2
+    from ollama_engine.models.gemma3 import Gemma3
+    from ollama_engine.models.llama import Options
+
+    base = {"embedding_length": 640, "block_count": 6, "attention.head_count": 4, "attention.key_length": 256}
+    config = Config({"general.architecture": arch, **{f"{arch}.{k}": v for k, v in {**base, **keys}.items()}})
+    return {"gemma2": Gemma2, "gemma3": Gemma3}[arch].gemma_options(config, Options.from_config(config))
+
+
+def test_sliding_layers_and_rope_bases_from_llama_cpp_and_ollama_conversions():
+    llama_cpp_file = gemma_options("gemma3", **{"attention.sliding_window": 512, "rope.freq_base": 1e6})
+    assert llama_cpp_file.swa == (True,) * 5 + (False,)  # every 6th layer global
+    assert (llama_cpp_file.rope_base, llama_cpp_file.rope_base_swa) == (1e6, 10000.0)
+    ollama_file = gemma_options("gemma3", **{"attention.sliding_window": 512, "rope.local.freq_base": 20000.0,
+                                             "attention.sliding_window_pattern": [True, False] * 3})
+    assert ollama_file.swa == (True, False) * 3
+    assert (ollama_file.rope_base, ollama_file.rope_base_swa) == (1e6, 20000.0)
+    assert gemma_options("gemma3").swa == (False,) * 6  # no window: every layer global
+    gemma2 = gemma_options("gemma2", **{"rope.freq_base": 10000.0})
+    assert gemma2.swa == (True, False) * 3 and gemma2.window == 4096
+    assert (gemma2.attn_softcap, gemma2.final_softcap) == (50.0, 30.0)
+    assert (gemma_options("gemma3").attn_softcap, gemma_options("gemma3").final_softcap) == (0.0, 0.0)
+    assert gemma_options("gemma3", **{"attention.sliding_window_pattern": 3, "attention.sliding_window": 8}).swa == (
+        True, True, False) * 2
+    from ollama_engine.models import ModelError
+    with pytest.raises(ModelError, match="6 layers"):
+        gemma_options("gemma3", **{"attention.sliding_window": 8, "attention.sliding_window_pattern": [True]})
