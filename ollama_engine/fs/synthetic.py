@@ -30,12 +30,14 @@ from ollama_engine.fs.gguf_file import GGUFFile
 
 ARCHITECTURES = (
     "llama", "qwen2", "qwen3", "bert", "gemma2", "gemma3", "qwen3moe", "nomic-bert", "phi3", "olmo2", "mistral3",
+    "gpt-oss", "llama4",
 )
 _ROPE_ARCHITECTURES = (
     "llama", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3moe", "nomic-bert", "phi3", "olmo2", "mistral3",
+    "gpt-oss", "llama4",
 )
 _POST_NORM_ARCHITECTURES = ("gemma2", "gemma3", "olmo2")  # olmo2: post-norms only, q/k norms over all heads
-_MOE_ARCHITECTURES = ("qwen3moe",)  # a router and stacked experts instead of the FFN
+_MOE_ARCHITECTURES = ("qwen3moe", "gpt-oss", "llama4")  # a router and stacked experts instead of the FFN
 _BERT_ARCHITECTURES = ("bert", "nomic-bert")  # encoders: post-norm, pooled
 
 # Every type ggml quantizes to and computes with (Q2_0 aside: gguf-py does not know it yet), and the
@@ -80,6 +82,8 @@ class ModelSpec:
     n_expert: int = 0  # mixtures of experts: experts per layer, experts used per token, an expert's width
     n_expert_used: int = 0
     n_ff_exp: int = 0
+    expert_type: str | None = None  # the experts' weight type where it differs (gpt-oss: MXFP4)
+    moe_every: int = 1  # llama4's interleave_moe_layer_step: every n-th layer is a mixture
     embedding_type: str | None = None  # token_embd's and output's type where it differs (llama-quantize's
     # --token-embedding-type and --output-tensor-type)
     original_context: int | None = None  # rope.scaling.original_context_length (phi3's factors, YaRN)
@@ -167,6 +171,49 @@ PRESETS: dict[str, ModelSpec] = {
         n_expert_used=3,
         n_ff_exp=64,
         name="tiny-qwen3moe",
+    ),
+    # gpt-oss: two layers (sliding, global), YaRN from 16 positions, MXFP4 experts with biases, sinks
+    "tiny-gpt-oss": ModelSpec(
+        arch="gpt-oss",
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        n_head_kv=2,
+        n_ff=128,
+        vocab="gpt-2",
+        head_dim=32,
+        context_length=512,
+        rope_base=150000.0,
+        tied_embeddings=False,
+        n_expert=8,
+        n_expert_used=3,
+        n_ff_exp=64,
+        expert_type="MXFP4",
+        sliding_window=8,
+        original_context=16,
+        rope_scaling_type="yarn",
+        rope_scaling_factor=4.0,
+        name="tiny-gpt-oss",
+    ),
+    # llama4: dense and mixture layers alternating, three chunked RoPE layers then a global one without
+    "tiny-llama4": ModelSpec(
+        arch="llama4",
+        n_layer=4,
+        n_embd=64,
+        n_head=4,
+        n_head_kv=2,
+        n_ff=128,
+        vocab="llama-bpe",
+        head_dim=32,
+        context_length=512,
+        rope_base=500000.0,
+        rope_freqs=True,
+        tied_embeddings=False,
+        n_expert=4,
+        n_expert_used=1,
+        n_ff_exp=64,
+        moe_every=2,
+        name="tiny-llama4",
     ),
     "tiny-nomic-bert": ModelSpec(
         arch="nomic-bert",
@@ -373,6 +420,8 @@ class _Tensor:
 def _check(spec: ModelSpec) -> None:
     if spec.embedding_type is not None and spec.embedding_type not in WEIGHT_TYPES:
         raise ValueError(f"unknown embedding type {spec.embedding_type!r}: choose one of {tuple(WEIGHT_TYPES)}")
+    if spec.expert_type is not None and spec.expert_type not in WEIGHT_TYPES:
+        raise ValueError(f"unknown expert type {spec.expert_type!r}: choose one of {tuple(WEIGHT_TYPES)}")
     if spec.arch not in ARCHITECTURES:
         raise ValueError(f"unsupported synthetic architecture {spec.arch!r}: choose one of {ARCHITECTURES}")
     if min(spec.n_layer, spec.n_embd, spec.n_head, spec.n_head_kv, spec.n_ff, spec.n_rot) < 1:
@@ -398,6 +447,8 @@ def _tensor_plan(spec: ModelSpec, n_vocab: int, qtype: GGMLQuantizationType) -> 
         own = qtype
         if kind == "embedding":  # token_embd and output, in their own type where the spec names one
             kind, own = "matrix", WEIGHT_TYPES[spec.embedding_type][0] if spec.embedding_type else qtype
+        if kind == "expert":  # stacked experts: a matrix, in their own type where the spec names one
+            kind, own = "matrix", WEIGHT_TYPES[spec.expert_type][0] if spec.expert_type else qtype
         if kind != "matrix":
             return _Tensor(name, shape, kind, f32)
         block_size = GGML_QUANT_SIZES[own][0]
@@ -445,6 +496,9 @@ def _tensor_plan(spec: ModelSpec, n_vocab: int, qtype: GGMLQuantizationType) -> 
         yield tensor(MODEL_TENSOR.OUTPUT, "weight", (n_embd, n_vocab), "embedding")
     if spec.rope_freqs:
         yield tensor(MODEL_TENSOR.ROPE_FREQS, "weight", (spec.n_rot // 2,), "rope_freqs")
+    if spec.arch == "gpt-oss":
+        yield from _gpt_oss_tensors(tensor, spec)
+        return
     if spec.arch == "phi3":
         yield from _phi3_tensors(tensor, spec)
         return
@@ -469,8 +523,12 @@ def _tensor_plan(spec: ModelSpec, n_vocab: int, qtype: GGMLQuantizationType) -> 
             yield tensor(MODEL_TENSOR.FFN_POST_NORM, "weight", (n_embd,), "norm", i)
         if spec.arch != "olmo2":  # olmo2 has no pre-norms
             yield tensor(MODEL_TENSOR.FFN_NORM, "weight", (n_embd,), "norm", i)
-        if spec.arch in _MOE_ARCHITECTURES:
+        if spec.arch in _MOE_ARCHITECTURES and (i + 1) % spec.moe_every == 0:
             yield from _expert_tensors(tensor, spec, i)
+            if spec.arch == "llama4":  # and a shared expert as wide as one of them
+                yield tensor(MODEL_TENSOR.FFN_GATE_SHEXP, "weight", (n_embd, spec.n_ff_exp), "matrix", i)
+                yield tensor(MODEL_TENSOR.FFN_DOWN_SHEXP, "weight", (spec.n_ff_exp, n_embd), "matrix", i)
+                yield tensor(MODEL_TENSOR.FFN_UP_SHEXP, "weight", (n_embd, spec.n_ff_exp), "matrix", i)
             continue
         yield tensor(MODEL_TENSOR.FFN_GATE, "weight", (n_embd, n_ff), "matrix", i)
         yield tensor(MODEL_TENSOR.FFN_DOWN, "weight", (n_ff, n_embd), "matrix", i)
@@ -510,13 +568,36 @@ def _nomic_bert_tensors(tensor, spec: ModelSpec) -> Iterator[_Tensor]:
         yield tensor(MODEL_TENSOR.LAYER_OUT_NORM, "bias", (n_embd,), "bias", i)
 
 
+def _gpt_oss_tensors(tensor, spec: ModelSpec) -> Iterator[_Tensor]:
+    """gpt-oss's layers: q/k/v/output with biases, attention sinks, biased router and experts."""
+    n_embd, n_ff, n_expert = spec.n_embd, spec.n_ff_exp, spec.n_expert
+    n_q, n_kv = spec.n_head * spec.n_rot, spec.n_head_kv * spec.n_rot
+    for i in range(spec.n_layer):
+        yield tensor(MODEL_TENSOR.ATTN_NORM, "weight", (n_embd,), "norm", i)
+        for key, shape in (
+            (MODEL_TENSOR.ATTN_Q, (n_embd, n_q)),
+            (MODEL_TENSOR.ATTN_K, (n_embd, n_kv)),
+            (MODEL_TENSOR.ATTN_V, (n_embd, n_kv)),
+            (MODEL_TENSOR.ATTN_OUT, (n_q, n_embd)),
+        ):
+            yield tensor(key, "weight", shape, "matrix", i)
+            yield tensor(key, "bias", shape[1:], "bias", i)
+        yield tensor(MODEL_TENSOR.ATTN_SINKS, "weight", (spec.n_head,), "sinks", i)
+        yield tensor(MODEL_TENSOR.ATTN_POST_NORM, "weight", (n_embd,), "norm", i)
+        yield from _expert_tensors(tensor, spec, i)
+        yield tensor(MODEL_TENSOR.FFN_GATE_INP, "bias", (n_expert,), "bias", i)
+        yield tensor(MODEL_TENSOR.FFN_GATE_EXP, "bias", (n_ff, n_expert), "bias", i)
+        yield tensor(MODEL_TENSOR.FFN_DOWN_EXP, "bias", (n_embd, n_expert), "bias", i)
+        yield tensor(MODEL_TENSOR.FFN_UP_EXP, "bias", (n_ff, n_expert), "bias", i)
+
+
 def _expert_tensors(tensor, spec: ModelSpec, i: int) -> Iterator[_Tensor]:
     """A layer's router (kept F32, as llama.cpp's quantizer leaves it) and its experts stacked in 3-D."""
     n_embd, n_ff, n_expert = spec.n_embd, spec.n_ff_exp, spec.n_expert
     yield tensor(MODEL_TENSOR.FFN_GATE_INP, "weight", (n_embd, n_expert), "table", i)
-    yield tensor(MODEL_TENSOR.FFN_GATE_EXP, "weight", (n_embd, n_ff, n_expert), "matrix", i)
-    yield tensor(MODEL_TENSOR.FFN_DOWN_EXP, "weight", (n_ff, n_embd, n_expert), "matrix", i)
-    yield tensor(MODEL_TENSOR.FFN_UP_EXP, "weight", (n_embd, n_ff, n_expert), "matrix", i)
+    yield tensor(MODEL_TENSOR.FFN_GATE_EXP, "weight", (n_embd, n_ff, n_expert), "expert", i)
+    yield tensor(MODEL_TENSOR.FFN_DOWN_EXP, "weight", (n_ff, n_embd, n_expert), "expert", i)
+    yield tensor(MODEL_TENSOR.FFN_UP_EXP, "weight", (n_embd, n_ff, n_expert), "expert", i)
 
 
 def _add_hparams(writer: gguf.GGUFWriter, spec: ModelSpec, n_vocab: int, file_type: int) -> None:
@@ -543,6 +624,8 @@ def _add_hparams(writer: gguf.GGUFWriter, spec: ModelSpec, n_vocab: int, file_ty
         writer.add_expert_count(spec.n_expert)
         writer.add_expert_used_count(spec.n_expert_used)
         writer.add_expert_feed_forward_length(spec.n_ff_exp)
+        if spec.arch == "llama4":
+            writer.add_uint32(f"{spec.arch}.interleave_moe_layer_step", spec.moe_every)
     writer.add_rope_freq_base(spec.rope_base)
     writer.add_rope_dimension_count(spec.n_rot)
     if spec.n_rot != spec.n_embd // spec.n_head:
@@ -608,6 +691,8 @@ def _generate(t: _Tensor, spec: ModelSpec, seed: int) -> np.ndarray:
                     ).astype(np.float32)
         return _llama3_rope_factors(spec)
     rng = np.random.default_rng([seed, zlib.crc32(t.name.encode())])
+    if t.kind == "sinks":  # attention sinks: logits of the scores' size
+        return rng.standard_normal(t.shape, dtype=np.float32)
     if t.kind == "norm":
         return (1.0 + 0.1 * rng.standard_normal(t.shape, dtype=np.float32)).astype(np.float32)
     if t.kind == "bias":
