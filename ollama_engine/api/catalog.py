@@ -141,7 +141,7 @@ class Catalog:
             raise ModelNotFoundError(name)
         path = Path(name).expanduser()
         if name.endswith(".gguf") or (os.sep in name and path.is_file()):
-            if not path.is_file():
+            if not _is_gguf(path):  # never parse (and quote in an error) a file that is not a model
                 raise ModelNotFoundError(name)
             model = Model(name=name, short_name=path.stem, model_path=str(path.resolve()))
             entry = Entry(name=name, full_name=name, model=model, view=gguf_view(path), requested=name)
@@ -168,6 +168,16 @@ class Catalog:
         )
         model.capabilities = entry.capabilities
         return entry
+
+
+def _is_gguf(path: Path) -> bool:
+    try:
+        if not path.is_file():  # not a FIFO or a device: opening one could block
+            return False
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
 
 
 def full_name(name: str) -> str:
