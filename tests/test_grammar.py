@@ -18,6 +18,7 @@ import assets
 import numpy as np
 import pytest
 
+from ollama_engine.runner.text import incomplete_utf8
 from ollama_engine.sample import GrammarError, GrammarMatcher, GrammarVocab, Sampler, format_grammar
 from ollama_engine.sample.grammar import SPECIAL_MARK, token_bytes
 from ollama_engine.sample.grammar_text import GRAMMAR_JSON, JSON_OPTIONS, schema_grammar, to_llguidance
@@ -350,3 +351,68 @@ def test_rules_of_terminals_match_greedily_unlike_llama_cpp(tokenizer):
     assert not any(matcher.allows(token) for token in tokenizer.eos_ids)
     assert not matcher.allows(tokenizer.encode_continuation("x")[0])
     assert matcher.allows(tokenizer.encode_continuation("\n")[0])
+
+
+# ---------------------------------------------------------------- against llama.cpp's own GBNF engine
+
+
+def _invalid_utf8_start(piece: bytes) -> bool:
+    return piece[0] in (0xC0, 0xC1) or piece[0] >= 0xF5
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("name", ["json", "chess", "list", "japanese"])
+def test_allowed_tokens_match_llama_cpp(tokenizer, name):
+    """Along a random walk, the tokens our matcher allows are the ones llama.cpp's grammar sampler allows on
+    the same vocabulary, but for three documented departures:
+    - llguidance lets only the canonical tokenization of text the grammar forces through (`1. ` is the
+      token `1.`, not `1`), a subset of llama.cpp's;
+    - llama.cpp allows the byte tokens 0xC0, 0xC1 and 0xF5-0xFE, which start no UTF-8 character;
+    - llama.cpp refuses a token starting with a NUL byte and, in a negated class that excludes some
+      multi-byte characters (list.gbnf's U+0085, U+2028), the lead bytes they share with allowed ones.
+    Control tokens are left out: llama.cpp matches their text, this engine never (llama.cpp's llguidance
+    integration does the same)."""
+    import ctypes
+    import math
+
+    llama_cpp = pytest.importorskip("llama_cpp")
+    grammar = (GRAMMARS / f"{name}.gbnf").read_text()
+    path = assets.vocab(FAMILIES["spm" if tokenizer.vocab.model == "llama" else "bpe"])
+    llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    reference = llama_cpp.llama_sampler_init_grammar(llama_cpp.llama_model_get_vocab(llm.model), grammar.encode(),
+                                                     b"root")
+    pieces, special = token_bytes(tokenizer)
+    n = tokenizer.vocab_size
+    candidates = (llama_cpp.llama_token_data * n)()
+
+    def theirs() -> set[int]:
+        for i in range(n):
+            candidates[i].id, candidates[i].logit, candidates[i].p = i, 0.0, 0.0
+        array = llama_cpp.llama_token_data_array(candidates, n, -1, False)
+        llama_cpp.llama_sampler_apply(reference, ctypes.byref(array))
+        return {candidates[i].id for i in range(array.size) if candidates[i].logit != -math.inf}
+
+    matcher = GrammarVocab.of(tokenizer).matcher(grammar)
+    rng = np.random.default_rng(0)
+    sampler = Sampler(temperature=1.0, seed=0)
+    try:
+        for _ in range(12):
+            ours = set(np.flatnonzero(matcher.allowed()).tolist()) - set(special)
+            expected = theirs() - set(special)
+            forced = matcher._matcher.compute_ff_bytes()
+            for token in expected - ours:
+                piece = pieces[token]
+                assert (forced and forced.startswith(piece)) or _invalid_utf8_start(piece), piece
+            for token in ours - expected:
+                piece = pieces[token]
+                assert piece[0] == 0 or (name == "list" and incomplete_utf8(piece)), piece
+            token = matcher.sample(sampler, rng.random(n, dtype=np.float32) * 8)
+            if token in tokenizer.eos_ids:
+                break
+            matcher.accept(token)
+            llama_cpp.llama_sampler_accept(reference, token)
+            if matcher.finished:
+                break
+    finally:
+        llama_cpp.llama_sampler_free(reference)
+        llm.close()

@@ -143,7 +143,7 @@ def runner_client(smollm2_path: Path):
     client = Client(port)
     try:
         for operation in (0, 1, 2):
-            client.load(operation)
+            client.load(operation, NumThreads=1)  # see the batch-loop fixture
         while client.json("GET", "/health")["status"] != 0:
             pass
         yield client
@@ -177,7 +177,8 @@ def server(tmp_path_factory, smollm2_path: Path):
     root = tmp_path_factory.mktemp("grammar-api")
     with serve_process(root / "models") as url:
         client = ollama.Client(host=url)
-        client.create(model="smollm2", files={"smollm2.gguf": client.create_blob(smollm2_path)})
+        client.create(model="smollm2", files={"smollm2.gguf": client.create_blob(smollm2_path)},
+                      parameters={"num_thread": 1})  # see the batch-loop fixture
         yield url
 
 
