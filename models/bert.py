@@ -75,8 +75,8 @@ class Options:
     def from_config(cls, config: Config) -> Options:
         hidden = require_uint(config, "embedding_length")
         heads = require_uint(config, "attention.head_count")
-        if heads == 0 or hidden % heads:
-            raise ModelError(f"embedding_length {hidden} must be a multiple of attention.head_count {heads}")
+        if heads == 0 or hidden == 0 or hidden % heads:
+            raise ModelError(f"embedding_length {hidden} must be a positive multiple of attention.head_count {heads}")
         pooling = config.get_uint("pooling_type", 0)
         if pooling not in set(Pooling):
             raise ModelError(f"{config.full_key('pooling_type')} {pooling} is not one of "
