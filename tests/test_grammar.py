@@ -327,6 +327,18 @@ def test_right_recursive_whitespace_does_not_exhaust_the_parser(tokenizer):
     assert matcher.finished
 
 
+def test_a_grammar_in_an_error_state_says_why(tokenizer):
+    """Deep right recursion exhausts llguidance's parser: the matcher reports it, and never lets the output
+    end as if it were complete (the runner ends such a sequence with the error)."""
+    matcher = GrammarVocab.of(tokenizer).matcher('root ::= sp "]"\nsp ::= (" " sp)?')
+    pieces = token_bytes(tokenizer)[0]
+    space = max((i for i, p in enumerate(pieces) if p.strip(b" ") == b""), key=lambda i: len(pieces[i]))
+    with pytest.raises(GrammarError) as err:
+        for _ in range(4000 // len(pieces[space])):  # about 2000 spaces exhaust it
+            matcher.accept(space)
+    assert str(err.value).startswith("grammar: Parser Error: ") and "\n" not in str(err.value)
+
+
 @pytest.mark.parametrize(("grammar", "why"), [
     ("root ::= foo", "foo"),
     ('root ::= "a', "invalid grammar"),

@@ -132,7 +132,7 @@ class GrammarMatcher:
         llguidance.numpy.fill_next_token_bitmask(self._matcher, self._mask)
         self.masks_computed += 1
         if self._matcher.is_error():
-            raise GrammarError(f"grammar: {self._matcher.get_error()}")
+            raise GrammarError(self._error())
         bits = np.unpackbits(self._mask.view(np.uint8), count=self._vocab.n_vocab, bitorder="little")
         return bits.view(np.bool_)
 
@@ -153,7 +153,11 @@ class GrammarMatcher:
     def accept(self, token: int) -> None:
         """Advance past a token that is not end-of-generation; GrammarError if the grammar cannot take it."""
         if not self._matcher.consume_token(token):
-            raise GrammarError(f"grammar: {self._matcher.get_error() or f'token {token} rejected'}")
+            raise GrammarError(self._error())
+
+    def _error(self) -> str:
+        """The matcher's error, its first line (the rest dumps the parser's state)."""
+        return "grammar: " + (self._matcher.get_error().split("\n", 1)[0] or "unknown error")
 
     @property
     def finished(self) -> bool:
