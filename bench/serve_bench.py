@@ -1,0 +1,262 @@
+"""`ollama-engine serve` against `llama-server` through HTTP, both real servers on the same GGUF.
+
+    python bench/serve_bench.py --build-llama-server       # once: llama-server from the pinned llama.cpp (minutes)
+    python bench/serve_bench.py [--model bench/out/llama-3.2-1b-Q4_0.gguf] [--streams 1,4,8]
+
+Measures, with `--slots` (4) sequences sharing each server's model:
+  * aggregate generated tokens/s and mean time to first token for 1, 4 and 8 concurrent streams
+    (serve: /api/generate raw; llama-server: /completion; greedy, the same prompt texts);
+  * the serve -> runner hop: single-stream decode speed and first-token time through serve against the
+    same requests sent straight to a runner (loaded by fit -> alloc -> commit as serve's scheduler does);
+  * multi-turn chat: the second turn's first-token time against the first's, on a ~2,000-token conversation
+    (serve's /api/chat: the template, the scheduler and the runner's prompt cache).
+
+The synthetic models have random weights, so a stream may stop early at an end-of-generation token: the
+counts are the tokens each server reports having generated. Results print as JSON (and go to --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path[:0] = [str(HERE), str(ROOT / "tests")]
+
+from serve_process import free_port, serve_process  # noqa: E402  (tests/: how the tests start serve)
+from workers import WorkerArgs, progress, start_runner  # noqa: E402
+
+LLAMA_SERVER_BUILD = ROOT / "build" / "llama-server"
+LLAMA_SERVER = LLAMA_SERVER_BUILD / "bin" / "llama-server"
+WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches "
+         "near old river banks under grey autumn skies").split()
+
+
+def build_llama_server(jobs: int) -> Path:
+    """llama-server from the llama.cpp tree build_ggml.py extracted (the source our ggml is built from)."""
+    tree = Path((ROOT / "build" / "source-path.txt").read_text().strip())
+    options = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF",
+               "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_COMMON=ON",
+               "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"]
+    subprocess.run(["cmake", "-S", str(tree), "-B", str(LLAMA_SERVER_BUILD), *options], check=True)
+    subprocess.run(["cmake", "--build", str(LLAMA_SERVER_BUILD), "--target", "llama-server", "-j", str(jobs)],
+                   check=True)
+    return LLAMA_SERVER
+
+
+def prompt_text(index: int, words: int) -> str:
+    """A distinct plain-text prompt of about `words` words (distinct: no stream reuses another's cache)."""
+    return f"Story {index}: " + " ".join(WORDS[(index * 7 + i) % len(WORDS)] for i in range(words))
+
+
+def stream_lines(url: str, body: dict[str, Any]) -> Iterator[bytes]:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=600) as response:
+        while line := response.readline():
+            if line.strip():
+                yield line
+
+
+class Stream:
+    """One streamed request: seconds to its first token, generated tokens, seconds in all."""
+
+    def __init__(self, first_token_s: float, tokens: int, total_s: float):
+        self.first_token_s, self.tokens, self.total_s = first_token_s, tokens, total_s
+
+
+def timed_stream(chunks: Iterator[dict[str, Any]], text_of: Callable[[dict], str],
+                 tokens_of: Callable[[dict], int | None]) -> Stream:
+    start = time.perf_counter()
+    first, tokens = None, None
+    for chunk in chunks:
+        if first is None and text_of(chunk):
+            first = time.perf_counter() - start
+        if (count := tokens_of(chunk)) is not None:
+            tokens = count
+    total = time.perf_counter() - start
+    if tokens is None:
+        raise RuntimeError("the stream ended without a final count of generated tokens")
+    return Stream(total if first is None else first, tokens, total)
+
+
+def serve_generate(url: str, model: str, num_ctx: int) -> Callable[[str, int], Stream]:
+    def run(prompt: str, n: int) -> Stream:
+        body = {"model": model, "prompt": prompt, "raw": True, "stream": True,
+                "options": {"num_predict": n, "temperature": 0, "seed": 0, "num_ctx": num_ctx}}
+        chunks = (json.loads(line) for line in stream_lines(url + "/api/generate", body))
+        return timed_stream(chunks, lambda c: c.get("response", ""), lambda c: c.get("eval_count"))
+    return run
+
+
+def llama_server_completion(url: str) -> Callable[[str, int], Stream]:
+    def run(prompt: str, n: int) -> Stream:
+        body = {"prompt": prompt, "n_predict": n, "temperature": 0, "seed": 0, "stream": True, "cache_prompt": True}
+        chunks = (json.loads(line.removeprefix(b"data: ")) for line in stream_lines(url + "/completion", body))
+        return timed_stream(chunks, lambda c: c.get("content", ""),
+                            lambda c: c.get("tokens_predicted") if c.get("stop") else None)
+    return run
+
+
+def runner_completion(handle) -> Callable[[str, int], Stream]:
+    def run(prompt: str, n: int) -> Stream:
+        chunks = handle.completion(prompt, {"num_predict": n, "temperature": 0, "seed": 0})
+        return timed_stream(chunks, lambda c: c.get("content", ""),
+                            lambda c: c.get("eval_count") if c.get("done") else None)
+    return run
+
+
+def concurrency(run: Callable[[str, int], Stream], streams: list[int], n_predict: int, words: int) -> dict:
+    run(prompt_text(999, 8), 4)  # warm-up
+    results = {}
+    for count in streams:
+        prompts = [prompt_text(i + 100 * count, words) for i in range(count)]
+        start = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(max_workers=count) as pool:
+            done = list(pool.map(lambda p: run(p, n_predict), prompts))
+        wall = time.perf_counter() - start
+        tokens = sum(s.tokens for s in done)
+        results[str(count)] = {"aggregate_tps": tokens / wall, "wall_s": wall, "tokens": [s.tokens for s in done],
+                               "mean_first_token_s": sum(s.first_token_s for s in done) / count}
+        progress(f"{count} streams: {tokens / wall:.1f} t/s, "
+                 f"first token {results[str(count)]['mean_first_token_s']:.3f} s")
+    return results
+
+
+def single(run: Callable[[str, int], Stream], n_predict: int, words: int, repeats: int) -> dict:
+    """Single-stream decode speed (after the first token) and first-token time, medians over `repeats`."""
+    run(prompt_text(998, 8), 4)
+    tps, first = [], []
+    for i in range(repeats):
+        s = run(prompt_text(500 + i, words), n_predict)
+        first.append(s.first_token_s)
+        tps.append((s.tokens - 1) / max(s.total_s - s.first_token_s, 1e-9))
+    return {"decode_tps": sorted(tps)[len(tps) // 2], "first_token_s": sorted(first)[len(first) // 2]}
+
+
+def multi_turn(url: str, model: str, words: int) -> dict:
+    """First-token time of a conversation's first turn (its whole prompt evaluated) and of its second turn."""
+    options = {"num_predict": 16, "temperature": 0, "seed": 0, "num_ctx": 4096}
+    messages = [{"role": "user", "content": prompt_text(7, words)}]
+
+    def turn() -> Stream:
+        body = {"model": model, "messages": messages, "stream": True, "options": options}
+        replies: list[str] = []
+
+        def text_of(chunk: dict) -> str:
+            replies.append(chunk.get("message", {}).get("content", ""))
+            return replies[-1]
+
+        chunks = (json.loads(line) for line in stream_lines(url + "/api/chat", body))
+        s = timed_stream(chunks, text_of, lambda c: c.get("eval_count") if c.get("done") else None)
+        messages.append({"role": "assistant", "content": "".join(replies)})
+        return s
+
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": False, "options": options}
+    urllib.request.urlopen(urllib.request.Request(url + "/api/chat", json.dumps(body).encode()), timeout=600).read()
+    first = turn()
+    messages.append({"role": "user", "content": "And then what happened?"})
+    second = turn()
+    return {"first_turn_first_token_s": first.first_token_s, "second_turn_first_token_s": second.first_token_s,
+            "ratio": second.first_token_s / first.first_token_s}
+
+
+def wait_http(url: str, process: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{url} did not come up")
+        time.sleep(0.25)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=HERE / "out" / "llama-3.2-1b-Q4_0.gguf")
+    parser.add_argument("--llama-server", type=Path, default=LLAMA_SERVER)
+    parser.add_argument("--build-llama-server", action="store_true", help="build llama-server, then exit")
+    parser.add_argument("--streams", default="1,4,8")
+    parser.add_argument("--slots", type=int, default=4)
+    parser.add_argument("--slot-ctx", type=int, default=1024, help="context per slot")
+    parser.add_argument("--n-predict", type=int, default=128)
+    parser.add_argument("--prompt-words", type=int, default=32)
+    parser.add_argument("--chat-words", type=int, default=1500, help="first turn of the multi-turn chat (~2k tokens)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--out", type=Path, default=HERE / "out" / "serve_bench.json")
+    args = parser.parse_args()
+    if args.build_llama_server:
+        print(build_llama_server(os.cpu_count() or 2))
+        return 0
+    if not args.model.exists():
+        raise SystemExit(f"{args.model} is missing: `python bench/bench.py` writes the synthetic models")
+    streams = [int(s) for s in args.streams.split(",")]
+    results: dict[str, Any] = {"model": str(args.model), "slots": args.slots, "threads": args.threads}
+    num_ctx = args.slot_ctx
+
+    with tempfile.TemporaryDirectory() as tmp:
+        from ollama_engine.store import Store
+
+        store = Store(Path(tmp) / "models")
+        store.create("bench", files={args.model.name: store.add_file(args.model)})
+        env = {"OLLAMA_NUM_PARALLEL": str(args.slots), "OLLAMA_KEEP_ALIVE": "1h"}  # serve: every core
+        with serve_process(store.root, **env) as url:
+            progress("serve: concurrency")
+            results["serve"] = concurrency(serve_generate(url, "bench", num_ctx), streams, args.n_predict,
+                                           args.prompt_words)
+            results["serve_single"] = single(serve_generate(url, "bench", num_ctx), args.n_predict,
+                                             args.prompt_words, 5)
+            progress("serve: multi-turn chat")
+            results["multi_turn"] = multi_turn(url, "bench", args.chat_words)
+
+    progress("runner direct: single stream")
+    worker = WorkerArgs(engine="runner", task="single", model=str(args.model), prompts={}, threads=args.threads,
+                        t0=time.time(), gpu=False, streams=streams, verbose=False)
+    handle, _, _ = start_runner(worker, num_ctx, args.slots)
+    try:
+        results["runner_single"] = single(runner_completion(handle), args.n_predict, args.prompt_words, 5)
+    finally:
+        handle.close()
+    serve_single, runner_single = results["serve_single"], results["runner_single"]
+    results["hop"] = {"decode_ratio": serve_single["decode_tps"] / runner_single["decode_tps"],
+                      "first_token_extra_ms": 1e3 * (serve_single["first_token_s"] - runner_single["first_token_s"])}
+
+    if args.llama_server.exists() or shutil.which(str(args.llama_server)):
+        port = free_port()
+        command = [str(args.llama_server), "-m", str(args.model), "--port", str(port), "-np", str(args.slots),
+                   "-c", str(num_ctx * args.slots), "-t", str(args.threads), "-b", "512", "--no-webui"]
+        with subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as server:
+            try:
+                wait_http(f"http://127.0.0.1:{port}/health", server)
+                progress("llama-server: concurrency")
+                results["llama_server"] = concurrency(llama_server_completion(f"http://127.0.0.1:{port}"), streams,
+                                                      args.n_predict, args.prompt_words)
+            finally:
+                server.terminate()
+        results["ratios"] = {k: results["serve"][k]["aggregate_tps"] / results["llama_server"][k]["aggregate_tps"]
+                             for k in results["serve"]}
+    else:
+        progress(f"no llama-server at {args.llama_server}: run with --build-llama-server first")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2))
+    print(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
