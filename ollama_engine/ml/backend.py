@@ -16,7 +16,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import mmap
 import os
 import re
 import threading
@@ -324,39 +323,52 @@ class Backend:
     # ------------------------------------------------------------ loading
 
     def load(self, progress: Callable[[float], None] | None = None, workers: int | None = None) -> None:
-        """Read every tensor's bytes from the file into its buffer(s), reporting progress from 0 to 1."""
+        """Read every tensor's bytes from the file into its buffer(s), reporting progress from 0 to 1.
+
+        The file is read (pread, which releases the GIL), not mapped: the pages of a mapped file count in
+        the process's resident set while it is mapped, which put the whole file on top of the weights in
+        the peak RSS. Each thread reads plain tensors through a chunk of its own; a tensor that is
+        repacked is converted whole, so it is read whole.
+        """
         if not self.allocate or self.model is None:
             raise RuntimeError("cannot load model without memory allocation")
         infos = list(self.model.tensors.values())
         total = sum(info.n_bytes for info in infos) or 1
         done = 0
         lock = threading.Lock()
+        chunks = threading.local()
 
-        def load_one(info, data: memoryview) -> None:
+        def advance(size: int) -> None:
             nonlocal done
-            view = data[info.offset : info.offset + info.n_bytes]
-            targets = self._load_targets[info.name]
-            for target in targets:
-                if target.name in self._repacked:  # repacking converts the whole tensor at once
-                    ggml.write_bytes(target.handle, view)
-            for start in range(0, info.n_bytes, LOAD_CHUNK):
-                chunk = view[start : start + LOAD_CHUNK]
-                for target in targets:
-                    if target.name not in self._repacked:
-                        ggml.write_bytes(target.handle, chunk, start)
-                with lock:
-                    done += len(chunk)
-                    if progress is not None:
-                        progress(min(done / total, 1.0))
+            with lock:
+                done += size
+                if progress is not None:
+                    progress(min(done / total, 1.0))
 
-        with open(self.model.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            data = memoryview(mapped)
-            try:
-                with ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 2)) as pool:
-                    for future in [pool.submit(load_one, info, data) for info in infos]:
-                        future.result()
-            finally:
-                data.release()
+        def load_one(fd: int, info) -> None:
+            targets = self._load_targets[info.name]
+            if any(target.name in self._repacked for target in targets):
+                data = read_at(fd, info.offset, memoryview(bytearray(info.n_bytes)))
+                for target in targets:
+                    ggml.write_bytes(target.handle, data)
+                advance(info.n_bytes)
+                return
+            if not hasattr(chunks, "buffer"):
+                chunks.buffer = memoryview(bytearray(LOAD_CHUNK))
+            for start in range(0, info.n_bytes, LOAD_CHUNK):
+                size = min(LOAD_CHUNK, info.n_bytes - start)
+                chunk = read_at(fd, info.offset + start, chunks.buffer[:size])
+                for target in targets:
+                    ggml.write_bytes(target.handle, chunk, start)
+                advance(size)
+
+        fd = os.open(self.model.path, os.O_RDONLY)
+        try:
+            with ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 2)) as pool:
+                for future in [pool.submit(load_one, fd, info) for info in infos]:
+                    future.result()
+        finally:
+            os.close(fd)
         if progress is not None:
             progress(1.0)
         log.info("model loaded", extra={"tensors": len(infos), "bytes": total})
@@ -384,6 +396,17 @@ class Backend:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def read_at(fd: int, offset: int, into: memoryview) -> memoryview:
+    """Fill `into` with the file's bytes from `offset`; a file that ends sooner is an error."""
+    filled = 0
+    while filled < len(into):
+        n = os.preadv(fd, [into[filled:]], offset + filled)
+        if n == 0:
+            raise OSError(f"model file ends at byte {offset + filled}, inside a tensor's data")
+        filled += n
+    return into
 
 
 def default_threads() -> int:
