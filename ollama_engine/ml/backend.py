@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
+
 from ollama_engine import ggml
 from ollama_engine.fs import GGUFFile
 from ollama_engine.ggml import GGMLType
@@ -348,13 +350,14 @@ class Backend:
         def load_one(fd: int, info) -> None:
             targets = self._load_targets[info.name]
             if any(target.name in self._repacked for target in targets):
-                data = read_at(fd, info.offset, memoryview(bytearray(info.n_bytes)))
+                # np.empty, not bytearray(), which zeroes its bytes holding the GIL: /health timed out behind 141 MiB
+                data = read_at(fd, info.offset, memoryview(np.empty(info.n_bytes, np.uint8)))
                 for target in targets:
                     ggml.write_bytes(target.handle, data)
                 advance(info.n_bytes)
                 return
             if not hasattr(chunks, "buffer"):
-                chunks.buffer = memoryview(bytearray(LOAD_CHUNK))
+                chunks.buffer = memoryview(np.empty(LOAD_CHUNK, np.uint8))
             for start in range(0, info.n_bytes, LOAD_CHUNK):
                 size = min(LOAD_CHUNK, info.n_bytes - start)
                 chunk = read_at(fd, info.offset + start, chunks.buffer[:size])
