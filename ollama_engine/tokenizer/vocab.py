@@ -102,7 +102,7 @@ class Vocabulary:
         self.general_name: str = _get(metadata, "general.name", str, "")
         self.architecture: str = _get(metadata, "general.architecture", str, "")
 
-        tokens = [_as_text(t) for t in _get(metadata, "tokenizer.ggml.tokens", list)]
+        tokens = _as_texts(_get(metadata, "tokenizer.ggml.tokens", list))
         self.tokens: list[str] = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
         n = len(self.tokens)
         if n == 0:
@@ -121,7 +121,7 @@ class Vocabulary:
         if len(self.scores) < n or len(self.attrs) < n:
             raise ValueError("tokenizer.ggml.scores / token_type are shorter than tokenizer.ggml.tokens")
         self.scores, self.attrs = self.scores[:n], self.attrs[:n]
-        self.merges: list[str] = [_as_text(m) for m in _get(metadata, "tokenizer.ggml.merges", list, [])]
+        self.merges: list[str] = _as_texts(_get(metadata, "tokenizer.ggml.merges", list, []))
 
         ids = self._special_ids(metadata)
         self.bos_id: int | None = ids["bos"]
@@ -291,6 +291,14 @@ def byte_level_decode(text: str) -> bytes:
 
 def _as_text(value: str | bytes) -> str:
     return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else value
+
+
+def _as_texts(values: list[str | bytes]) -> list[str]:
+    """_as_text of each; the GGUF reader already gives str, and then the 400k values of a 128k vocabulary and
+    its merges are copied at C speed."""
+    if bytes in set(map(type, values)):
+        return [_as_text(v) for v in values]
+    return list(values)
 
 
 def _get(metadata: Mapping[str, Any], key: str, kind: type, *default: Any) -> Any:
