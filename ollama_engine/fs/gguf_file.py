@@ -310,6 +310,8 @@ class _Parser:
         if not 1 <= n_dims <= MAX_DIMS:
             raise self.error(f"tensor {name!r} has {n_dims} dimensions (1 to {MAX_DIMS} allowed)")
         shape = tuple(self.u64() for _ in range(n_dims))
+        if 0 in shape:  # no weight is empty; ggml would see it as transposed, and shape checks divide by it
+            raise self.error(f"tensor {name!r} has an empty dimension: shape {shape}")
         if math.prod(shape) > INT64_MAX or max(shape) > INT64_MAX:
             raise self.error(f"tensor {name!r}: shape {shape} has more elements than ggml can count (int64)")
         raw_type = self.u32()
