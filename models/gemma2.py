@@ -24,6 +24,7 @@ from .base import ModelError, register, weight
 from .llama import Layer, Llama, Options
 
 SWA, GLOBAL = 0, 1  # the Wrapper's caches, by layer type
+INT32_MAX = 2**31 - 1
 
 
 @dataclass
@@ -45,6 +46,12 @@ def swa_layers(config: Config, blocks: int, pattern: int) -> tuple[bool, ...]:
         return tuple(bool(f) for f in flags)
     n = config.get_uint("attention.sliding_window_pattern", pattern)
     return tuple(n == 0 or i % n < n - 1 for i in range(blocks))
+
+
+def check_window(window: int, swa: tuple[bool, ...]) -> None:
+    """A sliding window must see at least the token and one before it, and fit the cache's int32 positions."""
+    if window > INT32_MAX or (any(swa) and window < 2):
+        raise ModelError(f"attention.sliding_window must be in 2..{INT32_MAX}, got {window}")
 
 
 def f32_reciprocal_sqrt(x: float) -> float:
@@ -79,8 +86,7 @@ class Gemma2(Llama):
     def __init__(self, backend: Backend, tokenizer: Tokenizer | None):
         super().__init__(backend, tokenizer)
         self.gemma = self.gemma_options(self.config, self.options)
-        if any(self.gemma.swa) and self.gemma.window < 2:
-            raise ModelError(f"attention.sliding_window must be at least 2, got {self.gemma.window}")
+        check_window(self.gemma.window, self.gemma.swa)
         # Causal's window counts the positions before a token; llama.cpp's n_swa includes the token. As in
         # llama.cpp's default context (swa_full), sliding layers keep every position (up to the training
         # context) and the window is only a mask: evicting would put new tokens in freed cells, out of

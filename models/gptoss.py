@@ -23,10 +23,10 @@ from ollama_engine.kvcache import Batch, Causal, Wrapper, attention
 from ollama_engine.ml import Backend, Context, Tensor
 from ollama_engine.tokenizer import Tokenizer
 
-from .base import ModelError, bind, register, weight
-from .gemma2 import swa_layers
+from .base import register, weight
+from .gemma2 import check_window, swa_layers
 from .llama import Llama
-from .moe import Experts, Gating, Routing, moe
+from .moe import Gating, Routing, bind_experts, moe
 from .rope import yarn_options
 
 SWA, GLOBAL = 0, 1  # the Wrapper's caches, by layer type
@@ -59,11 +59,10 @@ class GptOss(Llama):
         self.rope_options = yarn_options(self.config, o.rope_scale, neox=True)
         self.routing = Routing.from_config(self.config, Gating.SOFTMAX_WEIGHT, normalize=False,
                                            scale=self.config.get_float("expert_weights_scale", 0.0))
-        self.experts = [bind(Experts, backend, f"blk.{i}.") for i in range(o.block_count)]
+        self.experts = [bind_experts(backend, i, self.routing, o.hidden) for i in range(o.block_count)]
         self.window = self.config.get_uint("attention.sliding_window", 0)
         self.swa = swa_layers(self.config, o.block_count, 2) if self.window else (False,) * o.block_count
-        if any(self.swa) and self.window < 2:
-            raise ModelError(f"attention.sliding_window must be at least 2, got {self.window}")
+        check_window(self.window, self.swa)
         # Causal's window counts the positions before a token; llama.cpp's n_swa includes the token. The
         # sliding cache keeps 4096 positions as Ollama's does, so cells are not reused (in a different order
         # than llama.cpp's full-size window cache) before then.

@@ -72,6 +72,9 @@ class Options:
         head_dim = config.get_uint("attention.key_length", hidden // heads)
         if head_dim == 0:
             raise ModelError(f"head size is 0 (embedding_length {hidden}, head_count {heads})")
+        rope_dims = config.get_uint("rope.dimension_count", head_dim)
+        if not 0 < rope_dims <= head_dim or rope_dims % 2:  # ggml rotates pairs; 0 made RoPE spin for minutes
+            raise ModelError(f"rope.dimension_count {rope_dims} must be even and in 2..head size {head_dim}")
         factor = config.get_float("rope.scaling.factor", 0.0)
         scale = config.get_float("attention.scale", 0.0)
         return cls(
@@ -80,7 +83,7 @@ class Options:
             heads=heads,
             kv_heads=kv_heads,
             head_dim=head_dim,
-            rope_dims=config.get_uint("rope.dimension_count", head_dim),
+            rope_dims=rope_dims,
             rope_base=config.get_float("rope.freq_base", 10000.0),
             rope_scale=1.0 / factor if factor else 1.0,
             eps=config.get_float("attention.layer_norm_rms_epsilon", 1e-5),

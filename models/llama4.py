@@ -21,10 +21,10 @@ from ollama_engine.kvcache import Batch, Causal, Wrapper, attention
 from ollama_engine.ml import Backend, Context, DType, RopeOptions, Tensor
 from ollama_engine.tokenizer import Tokenizer
 
-from .base import ModelError, bind, register, weight
+from .base import ModelError, register, weight
 from .gemma2 import swa_layers
 from .llama import Llama
-from .moe import Experts, Gating, Routing, moe
+from .moe import Experts, Gating, Routing, bind_experts, moe
 
 CHUNKED, GLOBAL = 0, 1  # the Wrapper's caches, by layer type
 CHUNK = 8192  # llama.cpp's n_swa for llama4, also the temperature's floor scale
@@ -68,7 +68,7 @@ class Llama4(Llama):
         self.experts: list[Experts | None] = []
         for i, layer in enumerate(self.layers):
             mixture = step > 0 and (i + 1) % step == 0
-            self.experts.append(bind(Experts, backend, f"blk.{i}.") if mixture else None)
+            self.experts.append(bind_experts(backend, i, self.routing, o.hidden) if mixture else None)
             ffn = [f"ffn_{part}{'_shexp' if mixture else ''}" for part in ("gate", "up", "down")]
             missing = [name for name in ffn if getattr(layer, name) is None]
             if missing:

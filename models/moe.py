@@ -12,14 +12,14 @@ report counts them with their layer.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from ollama_engine.fs import Config
-from ollama_engine.ml import Tensor
+from ollama_engine.ml import Backend, Tensor
 
-from .base import ModelError, require_uint, weight
+from .base import ModelError, bind, require_uint, weight
 
 
 class Gating(enum.Enum):
@@ -30,7 +30,7 @@ class Gating(enum.Enum):
     SOFTMAX_WEIGHT = "softmax_weight"  # pick by raw logits, softmax over the chosen ones (gpt-oss)
 
 
-@dataclass
+@dataclasses.dataclass
 class Experts:
     """One layer's router and stacked experts; the biases are gpt-oss's."""
 
@@ -44,7 +44,7 @@ class Experts:
     down_bias: Tensor | None = weight("ffn_down_exps.bias", optional=True)
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Routing:
     n_expert: int
     n_used: int
@@ -61,6 +61,21 @@ class Routing:
         if not 0 < n_used <= n_expert:
             raise ModelError(f"{config.full_key('expert_used_count')} {n_used} must be in 1..expert_count {n_expert}")
         return cls(n_expert, n_used, gating, normalize, scale, weight_before_ffn)
+
+
+def bind_experts(backend: Backend, layer: int, routing: Routing, n_embd: int) -> Experts:
+    """Layer `layer`'s experts, their shapes checked against the routing and the embedding length: ggml
+    aborts on an expert id beyond a stack (mul_mat_id, add_id, get_rows) and on a stack that is not 3-d."""
+    experts = bind(Experts, backend, f"blk.{layer}.")
+    n_ff, e = (experts.gate.shape + (-1,))[1], routing.n_expert
+    expected = {"router": (n_embd, e), "router_bias": (e,), "gate": (n_embd, n_ff, e), "gate_bias": (n_ff, e),
+                "up": (n_embd, n_ff, e), "up_bias": (n_ff, e), "down": (n_ff, n_embd, e), "down_bias": (n_embd, e)}
+    for field in dataclasses.fields(Experts):
+        tensor = getattr(experts, field.name)
+        if tensor is not None and tensor.shape != expected[field.name]:
+            raise ModelError(f"tensor blk.{layer}.{field.metadata['gguf']} has shape {list(tensor.shape)}, expected "
+                             f"{list(expected[field.name])} (embedding_length {n_embd}, expert_count {e})")
+    return experts
 
 
 Activation = Callable[[Tensor, Tensor], Tensor]

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from ollama_engine.ml import Backend, Tensor
 from ollama_engine.tokenizer import Tokenizer
 
-from .base import bind, register, weight
-from .moe import Experts, Gating, Routing, moe
+from .base import register, weight
+from .moe import Gating, Routing, bind_experts, moe
 from .qwen3 import Qwen3
 
 
@@ -39,7 +39,8 @@ class Qwen3Moe(Qwen3):
     def __init__(self, backend: Backend, tokenizer: Tokenizer | None):
         super().__init__(backend, tokenizer)
         self.routing = Routing.from_config(self.config, Gating.SOFTMAX, normalize=True)
-        self.experts = [bind(Experts, backend, f"blk.{i}.") for i in range(self.options.block_count)]
+        self.experts = [bind_experts(backend, i, self.routing, self.options.hidden)
+                        for i in range(self.options.block_count)]
 
     def feed_forward(self, layer: Qwen3MoeLayer, x: Tensor, index: int) -> Tensor:
         return moe(x, self.experts[index], self.routing, index)
