@@ -145,6 +145,9 @@ class EnvConfig:
     gpu_overhead: int = 0
     sched_spread: bool = False
     origins: tuple[str, ...] = ()  # OLLAMA_ORIGINS: CORS origins allowed besides the defaults
+    # OLLAMA_ENGINE_MODEL_PATHS: a model name may be the path of a GGUF file on the server (off: store names
+    # only, as in Ollama, so that a client cannot make serve open files outside OLLAMA_MODELS)
+    model_paths: bool = False
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> EnvConfig:
@@ -167,6 +170,7 @@ class EnvConfig:
             gpu_overhead=_uint(env, "OLLAMA_GPU_OVERHEAD", 0),
             sched_spread=bool(_bool(env, "OLLAMA_SCHED_SPREAD")),
             origins=tuple(_var(env, "OLLAMA_ORIGINS").split(",")) if _var(env, "OLLAMA_ORIGINS") else (),
+            model_paths=bool(_bool(env, "OLLAMA_ENGINE_MODEL_PATHS")),
         )
 
     @property

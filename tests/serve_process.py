@@ -22,9 +22,11 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def serve_process(models: Path, **env: str) -> Iterator[str]:
-    """Start serve on a free port with OLLAMA_MODELS=models; yield its URL; stop it (and its runners)."""
+    """Start serve on a free port with OLLAMA_MODELS=models (model names may also be GGUF paths); yield its
+    URL; stop it (and its runners)."""
     port = free_port()
-    full_env = {**os.environ, "OLLAMA_HOST": f"127.0.0.1:{port}", "OLLAMA_MODELS": str(models), **env}
+    full_env = {**os.environ, "OLLAMA_HOST": f"127.0.0.1:{port}", "OLLAMA_MODELS": str(models),
+                "OLLAMA_ENGINE_MODEL_PATHS": "1", **env}
     log = open(models.parent / f"serve-{port}.log", "wb")
     process = subprocess.Popen([sys.executable, "-m", "ollama_engine", "serve"], env=full_env,
                                stdout=log, stderr=subprocess.STDOUT)

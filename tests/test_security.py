@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ollama_engine.api import serve as serve_module
+from ollama_engine.api.catalog import Catalog, ModelNotFoundError
 from ollama_engine.api.middleware import allowed_host, allowed_origins
 from ollama_engine.api.serve import create_app
 from ollama_engine.envconfig import EnvConfig
@@ -99,6 +100,16 @@ def test_writes_replace_a_symlink_instead_of_following_it(tmp_path: Path) -> Non
     manifest.symlink_to(outside)
     write_atomically(manifest, [b"{}"])
     assert not manifest.is_symlink() and outside.read_bytes() == b"precious"
+
+
+def test_model_names_are_not_paths_unless_allowed(tmp_path: Path) -> None:
+    """A client cannot make serve open a GGUF file outside OLLAMA_MODELS; OLLAMA_ENGINE_MODEL_PATHS allows it."""
+    model = Path(__file__).parent / "data" / "stories260K.gguf"
+    with pytest.raises(ModelNotFoundError):
+        Catalog(Store(tmp_path)).resolve(str(model))
+    assert Catalog(Store(tmp_path), model_paths=True).resolve(str(model)).model.model_path == str(model.resolve())
+    assert not EnvConfig.from_env({}).model_paths
+    assert EnvConfig.from_env({"OLLAMA_ENGINE_MODEL_PATHS": "1"}).model_paths
 
 
 def test_create_refuses_file_names_that_leave_the_folder(tmp_path: Path) -> None:

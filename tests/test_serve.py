@@ -82,7 +82,7 @@ def pid_alive(pid: int) -> bool:
 
 def test_generate_ps_load_unload_and_errors(models):
     async def body():
-        config = EnvConfig(models=models["store"])
+        config = EnvConfig(models=models["store"], model_paths=True)
         async with serving(config) as (session, url, scheduler):
             status, lines = await generate(session, url, model="tiny", prompt="Once upon a time", options=OPTIONS)
             assert status == 200 and all(not line["done"] for line in lines[:-1])

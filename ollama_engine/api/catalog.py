@@ -130,17 +130,18 @@ class Entry:
 
 
 class Catalog:
-    """Model names → Entry, over one store."""
+    """Model names → Entry, over one store (and GGUF paths when `model_paths` allows them)."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, model_paths: bool = False) -> None:
         self.store = store
+        self.model_paths = model_paths
 
     def resolve(self, name: str) -> Entry:
         """ModelNotFoundError for an unknown (or empty) name, InvalidName for one that cannot be."""
         if not name:
             raise ModelNotFoundError(name)
         path = Path(name).expanduser()
-        if name.endswith(".gguf") or (os.sep in name and path.is_file()):
+        if self.model_paths and (name.endswith(".gguf") or (os.sep in name and path.is_file())):
             if not _is_gguf(path):  # never parse (and quote in an error) a file that is not a model
                 raise ModelNotFoundError(name)
             model = Model(name=name, short_name=path.stem, model_path=str(path.resolve()))

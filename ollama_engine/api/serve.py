@@ -36,7 +36,7 @@ def create_app(config: EnvConfig | None = None, scheduler: Scheduler | None = No
     """The serve application; pass a scheduler to use one built with other seams (tests)."""
     config = config or EnvConfig.from_env()
     scheduler = scheduler or Scheduler(config, get_gpu_fn=GpuDiscovery())
-    catalog = Catalog(Store(config.models))
+    catalog = Catalog(Store(config.models), config.model_paths)
 
     def resolve(name: str) -> Model:
         return catalog.resolve(name).model
