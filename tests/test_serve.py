@@ -201,7 +201,7 @@ def test_200_requests_with_disconnects_over_two_models_and_one_slot_for_models(m
     """OLLAMA_MAX_LOADED_MODELS=1: every switch drains, unloads and loads; clients leave at random moments."""
 
     async def body():
-        config = EnvConfig(models=models["store"], max_loaded_models=1)
+        config = EnvConfig(models=models["store"], max_loaded_models=1, model_paths=True)
         rng = random.Random(13)
         pids: set[int] = set()
         outcomes = {"done": 0, "cancelled": 0, "error": 0}
