@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -10,8 +12,15 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+
+import aiohttp
+from aiohttp.test_utils import TestServer
+
+from ollama_engine.api.serve import create_app
+from ollama_engine.envconfig import EnvConfig
+from ollama_engine.sched import Scheduler
 
 
 def free_port() -> int:
@@ -52,3 +61,41 @@ def serve_process(models: Path, **env: str) -> Iterator[str]:
             process.kill()
             process.wait()
         log.close()
+
+
+@contextlib.asynccontextmanager
+async def serving(config: EnvConfig) -> AsyncIterator[tuple[aiohttp.ClientSession, str, Scheduler]]:
+    """The serve app in this process (so the test can look at the scheduler), its runners real subprocesses."""
+    scheduler = Scheduler(config)
+    server = TestServer(create_app(config, scheduler), handler_cancellation=True)
+    await server.start_server()
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+            yield session, str(server.make_url("")), scheduler
+    finally:
+        await server.close()
+
+
+async def generate(session: aiohttp.ClientSession, url: str, **body) -> tuple[int, list[dict]]:
+    """POST /api/generate; the status and every NDJSON line."""
+    async with session.post(url + "/api/generate", json=body) as response:
+        text = await response.text()
+        return response.status, [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+async def eventually(condition, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie has exited too
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False

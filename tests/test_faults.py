@@ -19,20 +19,16 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
-import aiohttp
 import httpx
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestServer
-from serve_process import free_port
+from serve_process import eventually, free_port, generate, pid_alive, serving
 
-from ollama_engine.api.serve import create_app
 from ollama_engine.envconfig import EnvConfig
 from ollama_engine.fs.synthetic import write_synthetic
-from ollama_engine.sched import Scheduler
 from ollama_engine.sched import scheduler as scheduler_module
 from ollama_engine.store import Store
 from ollama_engine.store.layout import DIGEST_RE
@@ -77,31 +73,6 @@ def new_store(root: Path, gguf: Path) -> Path:
     return store.root
 
 
-@contextlib.asynccontextmanager
-async def serving(config: EnvConfig) -> AsyncIterator[tuple[aiohttp.ClientSession, str, Scheduler]]:
-    scheduler = Scheduler(config)
-    server = TestServer(create_app(config, scheduler), handler_cancellation=True)
-    await server.start_server()
-    try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-            yield session, str(server.make_url("")), scheduler
-    finally:
-        await server.close()
-
-
-async def generate(session: aiohttp.ClientSession, url: str, **body) -> tuple[int, list[dict]]:
-    async with session.post(url + "/api/generate", json=body) as response:
-        text = await response.text()
-        return response.status, [json.loads(line) for line in text.splitlines() if line.strip()]
-
-
-async def eventually(condition, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.05)
-
-
 # ------------------------------------------------------------------------------------------ runners
 
 
@@ -123,24 +94,13 @@ def test_a_runner_that_stops_answering_mid_stream(tiny: Path, tmp_path: Path, mo
                 lines = [json.loads(line) async for line in response.content if line.strip()]
             assert "error" in lines[-1], lines[-1]
             await eventually(lambda: not scheduler.loaded)
-            await eventually(lambda: not _alive(pid))  # killed, even though it was stopped
+            await eventually(lambda: not pid_alive(pid))  # killed, even though it was stopped
             status, lines = await generate(session, url, model="tiny", prompt="Once", options=FEW)
             assert status == 200 and lines[-1]["done"]
             [fresh] = scheduler.loaded.values()
             assert fresh.pid != pid
 
     run(body())
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_a_load_that_cannot_get_its_memory(tiny: Path, tmp_path: Path):

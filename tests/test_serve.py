@@ -9,21 +9,17 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
 import pytest
-from aiohttp.test_utils import TestServer
+from serve_process import eventually, free_port, generate, pid_alive, serving
 
-from ollama_engine.api.serve import create_app
 from ollama_engine.envconfig import EnvConfig
 from ollama_engine.fs.synthetic import write_synthetic
-from ollama_engine.sched import Scheduler
 
 OPTIONS = {"num_predict": 4, "temperature": 0}
 
@@ -48,36 +44,6 @@ def models(tmp_path_factory) -> dict[str, Path]:
         {"mediaType": "application/vnd.ollama.image.model", "digest": f"sha256:{digest}", "size": a.stat().st_size},
     ]}) + "\n")
     return {"a": a, "b": b, "store": store}
-
-
-@contextlib.asynccontextmanager
-async def serving(config: EnvConfig) -> AsyncIterator[tuple[aiohttp.ClientSession, str, Scheduler]]:
-    """The serve app in this process (so the test can look at the scheduler), its runners real subprocesses."""
-    scheduler = Scheduler(config)
-    server = TestServer(create_app(config, scheduler), handler_cancellation=True)
-    await server.start_server()
-    try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-            yield session, str(server.make_url("")), scheduler
-    finally:
-        await server.close()
-
-
-async def generate(session: aiohttp.ClientSession, url: str, **body) -> tuple[int, list[dict]]:
-    async with session.post(url + "/api/generate", json=body) as response:
-        text = await response.text()
-        return response.status, [json.loads(line) for line in text.splitlines() if line.strip()]
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie has exited too
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_generate_ps_load_unload_and_errors(models):
@@ -106,7 +72,7 @@ def test_generate_ps_load_unload_and_errors(models):
             assert len(scheduler.loaded) == 2
             status, [unloaded] = await generate(session, url, model=str(models["b"]), keep_alive=0)
             assert (status, unloaded["done_reason"]) == (200, "unload")
-            await _eventually(lambda: len(scheduler.loaded) == 1)
+            await eventually(lambda: len(scheduler.loaded) == 1)
 
             async with session.get(url + "/api/version") as response:
                 assert "version" in await response.json()
@@ -127,13 +93,6 @@ def test_generate_ps_load_unload_and_errors(models):
     run(body())
 
 
-async def _eventually(condition, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.02)
-
-
 def test_sigkill_mid_stream_gives_an_error_then_recovers(models):
     async def body():
         async with serving(EnvConfig(models=models["store"])) as (session, url, scheduler):
@@ -149,7 +108,7 @@ def test_sigkill_mid_stream_gives_an_error_then_recovers(models):
             assert "error" in lines[-1], lines[-1]
             assert lines[-1]["error"].startswith("model runner has unexpectedly stopped"), lines[-1]
             assert response.status == 200  # bytes were already sent: the error is the stream's last line
-            await _eventually(lambda: not scheduler.loaded)  # the dead runner is unloaded ...
+            await eventually(lambda: not scheduler.loaded)  # the dead runner is unloaded ...
             status, lines = await generate(session, url, model="tiny", prompt="Once upon a time", options=OPTIONS)
             assert status == 200 and lines[-1]["done"]  # ... and the next request loads a fresh one
             [runner] = scheduler.loaded.values()
@@ -167,7 +126,7 @@ def test_queue_bound_for_a_loaded_model_is_503_with_retry_after(models):
                 await holder.content.readline()  # holds the only slot
                 waiter = asyncio.create_task(generate(session, url, model="tiny", prompt="x", options=OPTIONS))
                 [runner] = scheduler.loaded.values()
-                await _eventually(lambda: runner.waiting == 1)
+                await eventually(lambda: runner.waiting == 1)
                 async with session.get(url + "/api/ps") as response:
                     [row] = (await response.json())["models"]
                 assert row["state"] == "busy" and row["queue_depth"] == 1 and row["in_flight"] == 1
@@ -177,7 +136,7 @@ def test_queue_bound_for_a_loaded_model_is_503_with_retry_after(models):
                         "server busy, please try again.  maximum pending requests exceeded")
             status, lines = await waiter  # the holder went away: its slot went to the waiter
             assert status == 200 and lines[-1]["done"]
-            await _eventually(lambda: runner.ref_count == 0 and runner.waiting == 0)
+            await eventually(lambda: runner.ref_count == 0 and runner.waiting == 0)
 
     run(body())
 
@@ -186,11 +145,11 @@ def test_a_load_finishes_when_its_client_leaves(models):
     async def body():
         async with serving(EnvConfig(models=models["store"])) as (session, url, scheduler):
             task = asyncio.create_task(generate(session, url, model="tiny", prompt="x", options=OPTIONS))
-            await _eventually(lambda: scheduler.loaded or scheduler.active_loading is not None)
+            await eventually(lambda: scheduler.loaded or scheduler.active_loading is not None)
             task.cancel()  # the client that started the load goes away
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-            await _eventually(lambda: scheduler.loaded and next(iter(scheduler.loaded.values())).state == "idle")
+            await eventually(lambda: scheduler.loaded and next(iter(scheduler.loaded.values())).state == "idle")
             [runner] = scheduler.loaded.values()
             assert runner.ref_count == 0 and runner.expire_timer is not None  # loaded and kept warm
 
@@ -232,7 +191,7 @@ def test_200_requests_with_disconnects_over_two_models_and_one_slot_for_models(m
                         raise AssertionError(f"request {i} for {model}: {status} {lines[-1:]}")
 
             await asyncio.gather(*(one(i) for i in range(200)))
-            await _eventually(lambda: all(r.ref_count == 0 and r.waiting == 0 and r.active == 0
+            await eventually(lambda: all(r.ref_count == 0 and r.waiting == 0 and r.active == 0
                                           for r in scheduler.loaded.values()))
             assert outcomes["done"] + outcomes["cancelled"] == 200 and outcomes["done"] > 100
             assert scheduler.pending_reqs.empty() and not scheduler.parked
@@ -242,12 +201,6 @@ def test_200_requests_with_disconnects_over_two_models_and_one_slot_for_models(m
         assert pids and not [pid for pid in pids if pid_alive(pid)]
 
     run(body(), timeout=300)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _children(pid: int) -> list[int]:
@@ -261,7 +214,7 @@ def _children(pid: int) -> list[int]:
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_serve_stops_every_runner_on_signal(models, signum):
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "OLLAMA_HOST": f"127.0.0.1:{port}", "OLLAMA_MODELS": str(models["store"])}
     serve = subprocess.Popen([sys.executable, "-m", "ollama_engine", "serve"], env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -269,7 +222,7 @@ def test_serve_stops_every_runner_on_signal(models, signum):
         async def load() -> None:
             async with aiohttp.ClientSession() as session:
                 url = f"http://127.0.0.1:{port}"
-                await _eventually(lambda: serve.poll() is None)
+                await eventually(lambda: serve.poll() is None)
                 for _ in range(300):
                     with contextlib.suppress(aiohttp.ClientConnectionError):
                         async with session.get(url + "/"):
