@@ -5,6 +5,11 @@ h += ffn_down(silu(ffn_gate(x)) * ffn_up(x)) with x = rms_norm(h). Llama 3.1+ fi
 frequency factors (rope_freqs.weight); files without output.weight tie it to token_embd (the backend
 makes that copy). Only the rows whose logits are needed leave the last layer's attention.
 
+A file with experts (expert_count > 0: Mixtral, Mistral's MoE conversions) has a mixture of experts in
+place of every FFN, as llama.cpp's llama graph routes it (build_moe_ffn with a softmax router and the
+chosen experts' weights renormalised to sum to 1; expert_weights_scale is not read, as llama.cpp does
+not read it for llama): its layers are `MoeLayer`s and their experts are bound apart (moe.bind_experts).
+
 Qwen2 and Qwen3 differ only in how q, k and v are made and in the RoPE variant, so they subclass this
 one and override `qkv` and `rope_options`; Qwen3-MoE also overrides `feed_forward`. Other hooks:
 `query` (phi3 scales the query itself, mistral3 by position) and `self_attention`. Norms are found by
@@ -24,10 +29,13 @@ from ollama_engine.ml import Backend, Context, RopeOptions, Tensor
 from ollama_engine.tokenizer import Tokenizer
 
 from .base import Model, ModelError, bind, register, require_uint, weight
+from .moe import Experts, Gating, Routing, bind_experts, moe
 
 
 @dataclass
-class Layer:
+class MoeLayer:
+    """A layer's weights but its FFN's: a mixture of experts' layer (Mixtral), whose experts are bound apart."""
+
     attn_norm: Tensor = weight("attn_norm.weight")
     attn_q: Tensor = weight("attn_q.weight")
     attn_k: Tensor = weight("attn_k.weight")
@@ -35,6 +43,12 @@ class Layer:
     attn_output: Tensor = weight("attn_output.weight")
     rope_freqs: Tensor | None = weight("rope_freqs.weight", optional=True)
     ffn_norm: Tensor = weight("ffn_norm.weight")
+
+
+@dataclass
+class Layer(MoeLayer):
+    """A dense layer: SwiGLU."""
+
     ffn_gate: Tensor = weight("ffn_gate.weight")
     ffn_up: Tensor = weight("ffn_up.weight")
     ffn_down: Tensor = weight("ffn_down.weight")
@@ -99,11 +113,18 @@ class Llama(Model):
 
     def __init__(self, backend: Backend, tokenizer: Tokenizer | None):
         super().__init__(backend, tokenizer)
-        if self.config.get_uint("expert_count", 0) > 0 and type(self).feed_forward is Llama.feed_forward:
+        mixture = self.config.get_uint("expert_count", 0) > 0 and type(self).feed_forward is Llama.feed_forward
+        if mixture and self.layer_type is not Layer:  # subclasses with their own layers route their own experts
             raise ModelError(f"unknown model architecture: mixture-of-experts {self.config.architecture()}")
-        self.options = Options.from_config(self.config)
+        self.options = o = Options.from_config(self.config)
         self.weights = bind(Weights, backend)
-        self.layers = [bind(self.layer_type, backend, f"blk.{i}.") for i in range(self.options.block_count)]
+        layer_type = MoeLayer if mixture else self.layer_type
+        self.layers = [bind(layer_type, backend, f"blk.{i}.") for i in range(o.block_count)]
+        self.routing: Routing | None = None
+        self.experts: list[Experts | None] = [None] * o.block_count  # each layer's, None for a dense FFN
+        if mixture:
+            self.routing = Routing.from_config(self.config, Gating.SOFTMAX, normalize=True)
+            self.experts = [bind_experts(backend, i, self.routing, o.hidden) for i in range(o.block_count)]
         self.cache = Causal(self.shift)
 
     def rope(self, x: Tensor, positions: Tensor, layer: int) -> Tensor:
@@ -123,7 +144,11 @@ class Llama(Model):
         return q, k, v
 
     def feed_forward(self, layer: Layer, x: Tensor, index: int) -> Tensor:
-        """The FFN's output for the normed hidden states x of layer `index` (before the residual): SwiGLU."""
+        """The FFN's output for the normed hidden states x of layer `index` (before the residual): the
+        layer's mixture of experts where it has one, else SwiGLU."""
+        experts = self.experts[index]
+        if experts is not None and self.routing is not None:
+            return moe(x, experts, self.routing, index)
         gate = layer.ffn_gate.matmul(x).set_name(f"ffn_gate-{index}")
         up = layer.ffn_up.matmul(x).set_name(f"ffn_up-{index}")
         return layer.ffn_down.matmul(gate.silu(up).set_name(f"ffn_swiglu-{index}"))

@@ -172,6 +172,23 @@ PRESETS: dict[str, ModelSpec] = {
         n_ff_exp=64,
         name="tiny-qwen3moe",
     ),
+    # Mixtral: llama with a mixture of experts for every FFN, as wide as feed_forward_length
+    "tiny-mixtral": ModelSpec(
+        arch="llama",
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        n_head_kv=2,
+        n_ff=64,
+        vocab="llama-spm",
+        context_length=512,
+        rope_base=1000000.0,
+        tied_embeddings=False,
+        n_expert=4,
+        n_expert_used=2,
+        n_ff_exp=64,
+        name="tiny-mixtral",
+    ),
     # gpt-oss: two layers (sliding, global), YaRN from 16 positions, MXFP4 experts with biases, sinks
     "tiny-gpt-oss": ModelSpec(
         arch="gpt-oss",
@@ -434,7 +451,8 @@ def _check(spec: ModelSpec) -> None:
         raise ValueError(f"{spec.name}: {spec.arch} needs head_dim * n_head == n_embd")
     if spec.arch in _BERT_ARCHITECTURES and spec.n_head_kv != spec.n_head:
         raise ValueError(f"{spec.name}: {spec.arch} needs n_head_kv == n_head")
-    if spec.arch in _MOE_ARCHITECTURES and not (0 < spec.n_expert_used <= spec.n_expert and spec.n_ff_exp > 0):
+    mixture = spec.arch in _MOE_ARCHITECTURES or spec.n_expert
+    if mixture and not (0 < spec.n_expert_used <= spec.n_expert and spec.n_ff_exp > 0):
         raise ValueError(f"{spec.name}: a mixture of experts needs 0 < n_expert_used <= n_expert and n_ff_exp > 0")
 
 
@@ -523,7 +541,7 @@ def _tensor_plan(spec: ModelSpec, n_vocab: int, qtype: GGMLQuantizationType) -> 
             yield tensor(MODEL_TENSOR.FFN_POST_NORM, "weight", (n_embd,), "norm", i)
         if spec.arch != "olmo2":  # olmo2 has no pre-norms
             yield tensor(MODEL_TENSOR.FFN_NORM, "weight", (n_embd,), "norm", i)
-        if spec.arch in _MOE_ARCHITECTURES and (i + 1) % spec.moe_every == 0:
+        if spec.n_expert and (i + 1) % spec.moe_every == 0:
             yield from _expert_tensors(tensor, spec, i)
             if spec.arch == "llama4":  # and a shared expert as wide as one of them
                 yield tensor(MODEL_TENSOR.FFN_GATE_SHEXP, "weight", (n_embd, spec.n_ff_exp), "matrix", i)
@@ -620,7 +638,7 @@ def _add_hparams(writer: gguf.GGUFWriter, spec: ModelSpec, n_vocab: int, file_ty
             writer.add_rope_freq_base(spec.rope_base)
         return
     writer.add_layer_norm_rms_eps(spec.eps)
-    if spec.arch in _MOE_ARCHITECTURES:
+    if spec.n_expert:
         writer.add_expert_count(spec.n_expert)
         writer.add_expert_used_count(spec.n_expert_used)
         writer.add_expert_feed_forward_length(spec.n_ff_exp)
