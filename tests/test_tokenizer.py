@@ -19,8 +19,9 @@ import pytest
 from ollama_engine.tokenizer import Tokenizer, from_gguf, from_metadata, read_tokenizer_metadata
 
 # Every vocabulary in llama.cpp's models/ folder with test files and a tokenizer kind we support.
-# Not here: gemma-4 (tokenizer.ggml.model "gemma4") and nomic-bert-moe ("t5", Unigram) are kinds we do not
-# support; aquila, baichuan and gpt-neox have no test files.
+# Not here: gemma-4 (tokenizer.ggml.model "gemma4") is a kind we do not support; nomic-bert-moe ("t5",
+# Unigram) has no test files (test_tokenizer_ugm.py compares it with llama.cpp); aquila, baichuan and
+# gpt-neox have no test files.
 VOCABS = ["llama-spm", "phi-3", "bert-bge", "gpt-2", "llama-bpe", "qwen2", "qwen35", "deepseek-coder",
           "deepseek-llm", "falcon", "mpt", "refact", "starcoder", "command-r"]
 SEPARATOR = "\n__ggml_vocab_test__\n"
@@ -126,8 +127,8 @@ def test_byte_level_pieces_are_raw_bytes() -> None:
 
 
 def test_bad_metadata_is_rejected() -> None:
-    with pytest.raises(ValueError, match="unsupported tokenizer model 't5'"):
-        from_metadata({"tokenizer.ggml.model": "t5", "tokenizer.ggml.tokens": ["a"]})
+    with pytest.raises(ValueError, match="unsupported tokenizer model 'rwkv'"):
+        from_metadata({"tokenizer.ggml.model": "rwkv", "tokenizer.ggml.tokens": ["a"]})
     with pytest.raises(ValueError, match="unsupported pre-tokenizer 'nonesuch'"):
         from_metadata({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "nonesuch",
                        "tokenizer.ggml.tokens": ["a"], "tokenizer.ggml.merges": []})

@@ -15,6 +15,7 @@ import gguf
 from ollama_engine.tokenizer.bpe import BytePairSegmenter
 from ollama_engine.tokenizer.core import Segmenter, Tokenizer
 from ollama_engine.tokenizer.spm import SentencePieceSegmenter
+from ollama_engine.tokenizer.ugm import UnigramSegmenter
 from ollama_engine.tokenizer.vocab import Vocabulary
 from ollama_engine.tokenizer.wpm import WordPieceSegmenter
 
@@ -28,6 +29,8 @@ def from_metadata(metadata: Mapping[str, Any]) -> Tokenizer:
         segmenter = SentencePieceSegmenter(vocab)
     elif vocab.model == "gpt2":
         segmenter = BytePairSegmenter(vocab)
+    elif vocab.model == "t5":
+        segmenter = UnigramSegmenter.from_metadata(vocab, metadata)
     else:
         segmenter = WordPieceSegmenter(vocab)
     return Tokenizer(vocab, segmenter)

@@ -1,7 +1,7 @@
 """A GGUF vocabulary with llama.cpp's rules for special tokens, added BOS/EOS and token pieces.
 
-Everything here is shared by the three tokenizer kinds; what differs between them (how plain text becomes
-ids) lives in spm.py, bpe.py and wpm.py.
+Everything here is shared by the tokenizer kinds; what differs between them (how plain text becomes ids)
+lives in spm.py, bpe.py, wpm.py and ugm.py.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ _DEFAULT_IDS: dict[str, dict[str, int | None]] = {
     "llama": {"bos": 1, "eos": 2, "unk": 0, "sep": None, "pad": None},
     "bert": {"bos": 101, "eos": None, "unk": 100, "sep": 102, "pad": 0},
     "gpt2": {"bos": 11, "eos": 11, "unk": None, "sep": None, "pad": None},
+    "t5": {"bos": None, "eos": 1, "unk": 2, "sep": None, "pad": 0},
 }
 _ID_KEYS = {
     "bos": "tokenizer.ggml.bos_token_id",
@@ -138,7 +139,7 @@ class Vocabulary:
 
         # None when the GGUF does not say: the default then depends on the tokenizer kind.
         self.add_bos: bool | None = _get(metadata, "tokenizer.ggml.add_bos_token", bool, None)
-        self.add_eos: bool = _get(metadata, "tokenizer.ggml.add_eos_token", bool, False)
+        self.add_eos: bool = _get(metadata, "tokenizer.ggml.add_eos_token", bool, self.model == "t5")
         self.add_space_prefix: bool = _get(metadata, "tokenizer.ggml.add_space_prefix", bool,
                                            self.model == "llama")
         self.lowercase: bool = _get(metadata, "tokenizer.ggml.normalizer.lowercase", bool, True)
