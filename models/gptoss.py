@@ -1,8 +1,9 @@
 """gpt-oss (OpenAI's gpt-oss-20b and -120b): attention with sinks, alternating sliding windows, YaRN,
 and a mixture of experts with biases and a clamped SwiGLU.
 
-As llama.cpp's openai-moe graph (architecture "gpt-oss"; Ollama's own conversions, "gptoss", name some
-tensors differently and are not read here). Per layer:
+As llama.cpp's openai-moe graph (architecture "gpt-oss"). Ollama's own conversions (architecture
+"gptoss", what `ollama pull gpt-oss` fetches) are the same model under other names (OllamaLayer), and
+without rope.scaling.type: Ollama always applies YaRN. Per layer:
 - attention: q, k, v (with biases) from rms_norm(h), NeoX RoPE with YaRN (rope.scaling.*: factor,
   original context; extrapolation 1, beta 32/1), scale 1/sqrt(head_dim); each head's softmax has a
   learned sink logit (attn_sinks: probability mass that reaches no value); even layers see only the
@@ -23,7 +24,7 @@ from ollama_engine.kvcache import Batch, Causal, Wrapper, attention
 from ollama_engine.ml import Backend, Context, Tensor
 from ollama_engine.tokenizer import Tokenizer
 
-from .base import register, weight
+from .base import ModelError, register, weight
 from .gemma2 import check_window, swa_layers
 from .llama import Llama
 from .moe import Gating, Routing, bind_experts, moe
@@ -49,14 +50,32 @@ class Layer:
     post_attention_norm: Tensor = weight("post_attention_norm.weight")
 
 
+@dataclass
+class OllamaLayer(Layer):
+    """Layer's weights as Ollama's converter names them: attn_out, attn_sinks (no .weight) and ffn_norm
+    for the FFN's pre-norm; its conversions of OpenAI's original checkpoint fuse q, k and v (attn_qkv,
+    rows in that order). Its experts are named as llama.cpp's."""
+
+    attn_q: Tensor | None = weight("attn_q.weight", optional=True)
+    attn_k: Tensor | None = weight("attn_k.weight", optional=True)
+    attn_v: Tensor | None = weight("attn_v.weight", optional=True)
+    attn_output: Tensor = weight("attn_out.weight")
+    attn_output_bias: Tensor = weight("attn_out.bias")
+    attn_sinks: Tensor = weight("attn_sinks")
+    post_attention_norm: Tensor = weight("ffn_norm.weight")
+    attn_qkv: Tensor | None = weight("attn_qkv.weight", optional=True)
+    attn_qkv_bias: Tensor | None = weight("attn_qkv.bias", optional=True)
+
+
 @register("gpt-oss")
 class GptOss(Llama):
     layer_type = Layer  # type: ignore[assignment]  # its own: biases, sinks, no dense FFN
+    rope_scaling = "linear"  # rope.scaling.type where the file has none
 
     def __init__(self, backend: Backend, tokenizer: Tokenizer | None):
         super().__init__(backend, tokenizer)
         o = self.options
-        self.rope_options = yarn_options(self.config, o.rope_scale, neox=True)
+        self.rope_options = yarn_options(self.config, o.rope_scale, neox=True, scaling=self.rope_scaling)
         self.routing = Routing.from_config(self.config, Gating.SOFTMAX_WEIGHT, normalize=False,
                                            scale=self.config.get_float("expert_weights_scale", 0.0))
         self.experts = [bind_experts(backend, i, self.routing, o.hidden) for i in range(o.block_count)]
@@ -71,6 +90,14 @@ class GptOss(Llama):
 
     def qkv(self, layer: Layer, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         o, n = self.options, x.ne[1]
+        if isinstance(layer, OllamaLayer) and layer.attn_qkv is not None:
+            qkv = _biased(layer.attn_qkv.matmul(x), layer.attn_qkv_bias)
+            head, row = qkv.strides[0] * o.head_dim, qkv.strides[1]
+
+            def heads(first: int, count: int) -> Tensor:  # views of the fused rows, as phi3's
+                return qkv.view(first * head, (o.head_dim, count, n), (head, row))
+
+            return heads(0, o.heads), heads(o.heads, o.kv_heads), heads(o.heads + o.kv_heads, o.kv_heads).contiguous()
         q = _biased(layer.attn_q.matmul(x), layer.attn_q_bias).reshape(o.head_dim, o.heads, n)
         k = _biased(layer.attn_k.matmul(x), layer.attn_k_bias).reshape(o.head_dim, o.kv_heads, n)
         v = _biased(layer.attn_v.matmul(x), layer.attn_v_bias).reshape(o.head_dim, o.kv_heads, n)
@@ -107,6 +134,18 @@ class GptOss(Llama):
         h = h.rows(inputs.from_numpy(batch.outputs).set_name("outputs"))
         h = h.rms_norm(self.weights.output_norm, o.eps).set_name("result_norm")
         return self.weights.output.matmul(h).set_name("result_output")
+
+
+@register("gptoss")
+class OllamaGptOss(GptOss):
+    layer_type = OllamaLayer
+    rope_scaling = "yarn"
+
+    def __init__(self, backend: Backend, tokenizer: Tokenizer | None):
+        super().__init__(backend, tokenizer)
+        for i, layer in enumerate(self.layers):
+            if layer.attn_qkv is None and None in (layer.attn_q, layer.attn_k, layer.attn_v):
+                raise ModelError(f"model is missing required tensor blk.{i}.attn_qkv.weight (or attn_q/k/v)")
 
 
 def _biased(x: Tensor, bias: Tensor | None) -> Tensor:

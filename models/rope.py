@@ -10,7 +10,8 @@ from ollama_engine.ml import RopeOptions
 from .base import ModelError
 
 
-def yarn_options(config: Config, rope_scale: float, *, neox: bool, tuned: bool = False) -> RopeOptions:
+def yarn_options(config: Config, rope_scale: float, *, neox: bool, tuned: bool = False,
+                 scaling: str = "linear") -> RopeOptions:
     """RoPE with llama.cpp's YaRN parameters for rope.scaling.type "yarn" (plain RoPE otherwise).
 
     As llama_context's constructor: extrapolation 1, betas 32 and 1, the original context from
@@ -18,10 +19,11 @@ def yarn_options(config: Config, rope_scale: float, *, neox: bool, tuned: bool =
     by the mscale that ggml applies again inside RoPE, times rope.scaling.attn_factor; computed in
     float32, as llama.cpp does. `tuned` architectures (mistral3) also read what their llama.cpp loaders
     read: the betas rope.scaling.yarn_beta_fast/slow (Ollama's conversions: rope.scaling.beta_fast/slow)
-    and rope.scaling.yarn_log_multiplier, which divides mscale by 1 + 0.1 log_mul ln(factor).
+    and rope.scaling.yarn_log_multiplier, which divides mscale by 1 + 0.1 log_mul ln(factor). `scaling` is
+    the type of files without rope.scaling.type (llama.cpp's default, linear; Ollama's gpt-oss: yarn).
     """
     original = config.get_uint("rope.scaling.original_context_length", config.get_uint("context_length", 0))
-    scaling = config.get_string("rope.scaling.type", "linear")
+    scaling = config.get_string("rope.scaling.type", scaling)
     if scaling not in ("", "none", "linear", "yarn"):  # Ollama's converters may write "" for none
         raise ModelError(f"rope.scaling.type {scaling!r} is not supported (none, linear, yarn)")
     if scaling != "yarn":

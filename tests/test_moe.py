@@ -12,11 +12,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from llama_reference import compare_schedule
+from llama_reference import PROMPTS, compare_schedule
 
 from ollama_engine.fs.synthetic import write_synthetic
-from ollama_engine.kvcache import Batch
+from ollama_engine.kvcache import Batch, cache_dtype
 from ollama_engine.ml import Backend
+from ollama_engine.models import load_model
 from ollama_engine.models.moe import Experts, Gating, Routing, moe
 from ollama_engine.runner.allocate import LoadParams, open_model
 
@@ -153,6 +154,47 @@ def test_gpt_oss_matches_llama_cpp(synthetic, weight_type, expert_type, flash):
     worst = compare_schedule(synthetic("gpt-oss", weight_type, expert_type=expert_type), flash=flash,
                              cache_type="f16", sequences=2, tolerance=TOLERANCE, threads=1)
     assert worst < TOLERANCE
+
+
+def greedy_logits(path: Path, steps: int = 6) -> np.ndarray:
+    """Our logits for both prompts prefilled in one batch, then `steps` greedy decode steps of both."""
+    model = load_model(path, num_threads=1)
+    try:
+        model.backend.load()
+        model.cache.init(model.backend, cache_dtype("f16"), 2, 256, 32)
+        texts = [model.tokenizer.encode(prompt, add_special=True) for prompt in PROMPTS]
+        batch = Batch(positions=[p for t in texts for p in range(len(t))],
+                      sequences=[s for s, t in enumerate(texts) for _ in t],
+                      outputs=np.cumsum([len(t) for t in texts]) - 1, tokens=[token for t in texts for token in t])
+        logits = []
+        for _ in range(steps + 1):
+            logits.append(model.graphs.compute(batch))
+            next_tokens = logits[-1].argmax(axis=1).tolist()
+            batch = Batch(positions=[len(t) for t in texts], sequences=[0, 1], outputs=[0, 1], tokens=next_tokens)
+            for text, token in zip(texts, next_tokens, strict=True):
+                text.append(token)
+        return np.stack(logits)
+    finally:
+        model.close()
+
+
+@pytest.mark.parametrize("layout", ["ollama", "ollama-qkv"])
+def test_ollama_gpt_oss_files_match_llama_cpp_named_ones(synthetic, layout):
+    """Ollama's own gpt-oss conversions (architecture "gptoss": attn_out, attn_sinks, ffn_norm, no
+    rope.scaling.type as Ollama always applies YaRN; q, k and v fused in attn_qkv when converted from
+    OpenAI's original checkpoint) hold the same model as llama.cpp's: the same weights under both names
+    give identical logits. (llama.cpp cannot load Ollama's files; the llama.cpp-named one is checked
+    against llama.cpp above.) Measured: bit-identical."""
+    from ollama_engine.models.gptoss import OllamaGptOss
+
+    ours = synthetic("gpt-oss", "Q8_0", expert_type="MXFP4", layout=layout)
+    model = load_model(ours, allocate=False)
+    try:
+        assert isinstance(model, OllamaGptOss) and model.config.architecture() == "gptoss"
+    finally:
+        model.close()
+    reference = synthetic("gpt-oss", "Q8_0", expert_type="MXFP4")
+    np.testing.assert_array_equal(greedy_logits(ours), greedy_logits(reference))
 
 
 @pytest.mark.reference

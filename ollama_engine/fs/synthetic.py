@@ -92,6 +92,8 @@ class ModelSpec:
     rope_attn_factor: float | None = None  # rope.scaling.attn_factor (phi3's long context)
     yarn_log_mul: float | None = None  # rope.scaling.yarn_log_multiplier (mistral3)
     attn_temperature_scale: float | None = None  # attention.temperature_scale (mistral3, Llama 4's scaling)
+    layout: str = "llama.cpp"  # gpt-oss: "ollama" (Ollama's converter: architecture "gptoss", its tensor names,
+    # no rope.scaling.type) or "ollama-qkv" (and q, k, v fused, as it converts OpenAI's original checkpoint)
     name: str = "synthetic"
 
     @property
@@ -398,11 +400,14 @@ def write_synthetic(
     tokenizer = _tokenizer_values(spec)
     n_vocab = len(tokenizer["tokenizer.ggml.tokens"][0])
     tensors = list(_tensor_plan(spec, n_vocab, qtype))
+    if spec.layout != "llama.cpp":
+        tensors = list(_ollama_gpt_oss(tensors, fuse_qkv=spec.layout == "ollama-qkv"))
+    arch = "gptoss" if spec.layout != "llama.cpp" else spec.arch  # Ollama's architecture name
 
     path = Path(path)
     partial = path.with_name(path.name + ".partial")
     try:
-        with contextlib.closing(gguf.GGUFWriter(partial, spec.arch)) as writer:
+        with contextlib.closing(gguf.GGUFWriter(partial, arch)) as writer:
             _add_hparams(writer, spec, n_vocab, file_type)
             for key, (value, vtype, etype) in tokenizer.items():
                 writer.add_key_value(key, value, vtype, etype)
@@ -427,6 +432,7 @@ class _Tensor:
     shape: tuple[int, ...]  # ggml order (ne0 first)
     kind: str  # "matrix", "table" (a matrix kept F32), "norm", "bias" or "rope_freqs"
     qtype: GGMLQuantizationType
+    parts: tuple[_Tensor, ...] = ()  # a fused tensor's: their data concatenated along its last dimension
 
     @property
     def n_bytes(self) -> int:
@@ -437,6 +443,9 @@ class _Tensor:
 def _check(spec: ModelSpec) -> None:
     if spec.embedding_type is not None and spec.embedding_type not in WEIGHT_TYPES:
         raise ValueError(f"unknown embedding type {spec.embedding_type!r}: choose one of {tuple(WEIGHT_TYPES)}")
+    if spec.layout not in ("llama.cpp", "ollama", "ollama-qkv") or (
+            spec.layout != "llama.cpp" and spec.arch != "gpt-oss"):
+        raise ValueError(f"{spec.name}: layout {spec.layout!r}: llama.cpp, or ollama or ollama-qkv for gpt-oss")
     if spec.expert_type is not None and spec.expert_type not in WEIGHT_TYPES:
         raise ValueError(f"unknown expert type {spec.expert_type!r}: choose one of {tuple(WEIGHT_TYPES)}")
     if spec.arch not in ARCHITECTURES:
@@ -609,6 +618,24 @@ def _gpt_oss_tensors(tensor, spec: ModelSpec) -> Iterator[_Tensor]:
         yield tensor(MODEL_TENSOR.FFN_UP_EXP, "bias", (n_ff, n_expert), "bias", i)
 
 
+def _ollama_gpt_oss(tensors: list[_Tensor], fuse_qkv: bool) -> Iterator[_Tensor]:
+    """gpt-oss's tensors as Ollama's converter names them (model/models/gptoss in Ollama), with the same
+    data: attn_out, attn_sinks, ffn_norm; with fuse_qkv, q, k and v (and their biases) in one attn_qkv."""
+    renames = {".attn_output.": ".attn_out.", ".attn_sinks.weight": ".attn_sinks",
+               ".post_attention_norm.": ".ffn_norm."}
+    by_name = {t.name: t for t in tensors}
+    for t in tensors:
+        name = t.name
+        for old, new in renames.items():
+            name = name.replace(old, new)
+        if fuse_qkv and ".attn_q." in name:
+            parts = tuple(by_name[name.replace(".attn_q.", f".attn_{p}.")] for p in "qkv")
+            shape = (*t.shape[:-1], sum(p.shape[-1] for p in parts))
+            yield _Tensor(name.replace(".attn_q.", ".attn_qkv."), shape, t.kind, t.qtype, parts)
+        elif not (fuse_qkv and (".attn_k." in name or ".attn_v." in name)):
+            yield dataclasses.replace(t, name=name, parts=(t,))  # data seeded by the llama.cpp name
+
+
 def _expert_tensors(tensor, spec: ModelSpec, i: int) -> Iterator[_Tensor]:
     """A layer's router (kept F32, as llama.cpp's quantizer leaves it) and its experts stacked in 3-D."""
     n_embd, n_ff, n_expert = spec.n_embd, spec.n_ff_exp, spec.n_expert
@@ -643,7 +670,7 @@ def _add_hparams(writer: gguf.GGUFWriter, spec: ModelSpec, n_vocab: int, file_ty
         writer.add_expert_used_count(spec.n_expert_used)
         writer.add_expert_feed_forward_length(spec.n_ff_exp)
         if spec.arch == "llama4":
-            writer.add_uint32(f"{spec.arch}.interleave_moe_layer_step", spec.moe_every)
+            writer.add_uint32(f"{writer.arch}.interleave_moe_layer_step", spec.moe_every)
     writer.add_rope_freq_base(spec.rope_base)
     writer.add_rope_dimension_count(spec.n_rot)
     if spec.n_rot != spec.n_embd // spec.n_head:
@@ -652,20 +679,20 @@ def _add_hparams(writer: gguf.GGUFWriter, spec: ModelSpec, n_vocab: int, file_ty
     for key, value in (("attention.sliding_window", spec.sliding_window),
                        ("attention.sliding_window_pattern", spec.sliding_window_pattern)):
         if value is not None:
-            writer.add_uint32(f"{spec.arch}.{key}", value)
+            writer.add_uint32(f"{writer.arch}.{key}", value)
     for key, value in (("rope.freq_base_swa", spec.rope_base_swa), ("attn_logit_softcapping", spec.attn_softcap),
                        ("final_logit_softcapping", spec.final_softcap)):
         if value is not None:
-            writer.add_float32(f"{spec.arch}.{key}", value)
+            writer.add_float32(f"{writer.arch}.{key}", value)
     if spec.original_context is not None:
         writer.add_rope_scaling_orig_ctx_len(spec.original_context)
-    if spec.rope_scaling_type is not None:
+    if spec.rope_scaling_type is not None and spec.layout == "llama.cpp":
         writer.add_rope_scaling_type(gguf.RopeScalingType(spec.rope_scaling_type))
     for key, value in (("rope.scaling.factor", spec.rope_scaling_factor), ("rope.scaling.attn_factor",
                        spec.rope_attn_factor), ("rope.scaling.yarn_log_multiplier", spec.yarn_log_mul),
                        ("attention.temperature_scale", spec.attn_temperature_scale)):
         if value is not None:
-            writer.add_float32(f"{spec.arch}.{key}", value)
+            writer.add_float32(f"{writer.arch}.{key}", value)
 
 
 
@@ -703,6 +730,8 @@ def _tokenizer_values(spec: ModelSpec) -> dict[str, tuple[Any, GGUFValueType, GG
 
 def _generate(t: _Tensor, spec: ModelSpec, seed: int) -> np.ndarray:
     """The tensor's data, encoded in its type, as the array GGUFWriter writes."""
+    if t.parts:
+        return np.concatenate([_generate(part, spec, seed).view(np.uint8).reshape(-1) for part in t.parts])
     if t.kind == "rope_freqs":
         if "rope_factors_" in t.name:  # phi3's: long ones rising from 1 to 16, short ones near 1
             return (np.geomspace(1.0, 16.0, t.shape[0]) if "long" in t.name else np.linspace(1.0, 1.3, t.shape[0])
