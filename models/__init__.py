@@ -16,7 +16,22 @@ from ollama_engine.kvcache import Batch
 from ollama_engine.ml import Backend, Context, GPULayers, Tensor
 from ollama_engine.tokenizer import Tokenizer, from_metadata
 
-from . import bert, gemma2, gemma3, gptoss, llama, llama4, mistral3, nomic_bert, olmo2, phi3, qwen2, qwen3, qwen3moe  # noqa: F401 - importing an architecture registers it
+from . import (  # noqa: F401 - importing an architecture registers it
+    bert,
+    gemma2,
+    gemma3,
+    gptoss,
+    llama,
+    llama4,
+    mistral3,
+    nomic_bert,
+    olmo2,
+    phi3,
+    qwen2,
+    qwen2moe,
+    qwen3,
+    qwen3moe,
+)
 from .base import REGISTRY, Model, ModelError, bind, model_class, register, registry_name, require_uint, weight
 from .graphs import Graph, Graphs
 

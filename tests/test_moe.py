@@ -127,12 +127,14 @@ def test_qwen3moe_matches_llama_cpp(synthetic, weight_type, flash):
 
 
 @pytest.mark.reference
+@pytest.mark.parametrize("preset", ["tiny-mixtral", "tiny-qwen2moe"])
 @pytest.mark.parametrize(("weight_type", "sequences", "flash"),
                          [("F16", 1, False), ("F16", 2, True), ("Q8_0", 2, False)])
-def test_mixtral_matches_llama_cpp(synthetic, weight_type, sequences, flash):
-    """A llama file with experts (Mixtral): a softmax router, the two chosen experts' weights renormalised;
-    one sequence alone, and two batched. Measured: 0.0 (F16, Q8_0), 5e-7 (flash)."""
-    worst = compare_schedule(synthetic("tiny-mixtral", weight_type), flash=flash, cache_type="f16",
+def test_mixtral_and_qwen2moe_match_llama_cpp(synthetic, preset, weight_type, sequences, flash):
+    """Mixtral (a llama file with experts: softmax router, the two chosen experts' weights renormalised)
+    and Qwen2-MoE (weights not renormalised, plus a sigmoid-gated shared expert); one sequence alone, and
+    two batched. Measured: 0.0 (F16, Q8_0), 5e-7 (flash)."""
+    worst = compare_schedule(synthetic(preset, weight_type), flash=flash, cache_type="f16",
                              sequences=sequences, tolerance=TOLERANCE, threads=1)
     assert worst < TOLERANCE
 
@@ -239,7 +241,7 @@ def test_attention_sinks_match_numpy():
 # ---------------------------------------------------------------- memory
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss", "llama4", "tiny-mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss", "llama4", "tiny-mixtral", "qwen2moe"])
 def test_fit_equals_alloc_and_inference_allocates_nothing_more(synthetic, arch):
     """The worst-case graphs reserved at load cover the routing: a full prompt batch and a decode step of
     every sequence compute without growing any buffer, and fit measured exactly what alloc allocated.

@@ -31,13 +31,15 @@ from ollama_engine.fs.gguf_file import GGUFFile
 ARCHITECTURES = (
     "llama", "qwen2", "qwen3", "bert", "gemma2", "gemma3", "qwen3moe", "nomic-bert", "phi3", "olmo2", "mistral3",
     "gpt-oss", "llama4",
+    "qwen2moe",
 )
 _ROPE_ARCHITECTURES = (
     "llama", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3moe", "nomic-bert", "phi3", "olmo2", "mistral3",
     "gpt-oss", "llama4",
+    "qwen2moe",
 )
 _POST_NORM_ARCHITECTURES = ("gemma2", "gemma3", "olmo2")  # olmo2: post-norms only, q/k norms over all heads
-_MOE_ARCHITECTURES = ("qwen3moe", "gpt-oss", "llama4")  # a router and stacked experts instead of the FFN
+_MOE_ARCHITECTURES = ("qwen3moe", "gpt-oss", "llama4", "qwen2moe")  # a router and stacked experts instead of the FFN
 _BERT_ARCHITECTURES = ("bert", "nomic-bert")  # encoders: post-norm, pooled
 
 # Every type ggml quantizes to and computes with (Q2_0 aside: gguf-py does not know it yet), and the
@@ -190,6 +192,25 @@ PRESETS: dict[str, ModelSpec] = {
         n_expert_used=2,
         n_ff_exp=64,
         name="tiny-mixtral",
+    ),
+    # Qwen2-MoE: Qwen2's attention, experts and a sigmoid-gated shared expert as wide as feed_forward_length
+    "tiny-qwen2moe": ModelSpec(
+        arch="qwen2moe",
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        n_head_kv=2,
+        n_ff=96,
+        vocab="qwen2",
+        context_length=512,
+        rope_base=1000000.0,
+        eps=1e-6,
+        tied_embeddings=False,
+        qkv_bias=True,
+        n_expert=8,
+        n_expert_used=3,
+        n_ff_exp=32,
+        name="tiny-qwen2moe",
     ),
     # gpt-oss: two layers (sliding, global), YaRN from 16 positions, MXFP4 experts with biases, sinks
     "tiny-gpt-oss": ModelSpec(
@@ -556,6 +577,11 @@ def _tensor_plan(spec: ModelSpec, n_vocab: int, qtype: GGMLQuantizationType) -> 
                 yield tensor(MODEL_TENSOR.FFN_GATE_SHEXP, "weight", (n_embd, spec.n_ff_exp), "matrix", i)
                 yield tensor(MODEL_TENSOR.FFN_DOWN_SHEXP, "weight", (spec.n_ff_exp, n_embd), "matrix", i)
                 yield tensor(MODEL_TENSOR.FFN_UP_SHEXP, "weight", (n_embd, spec.n_ff_exp), "matrix", i)
+            if spec.arch == "qwen2moe":  # a shared expert as wide as feed_forward_length, and its gate
+                yield tensor(MODEL_TENSOR.FFN_GATE_INP_SHEXP, "weight", (n_embd,), "table", i)
+                yield tensor(MODEL_TENSOR.FFN_GATE_SHEXP, "weight", (n_embd, n_ff), "matrix", i)
+                yield tensor(MODEL_TENSOR.FFN_DOWN_SHEXP, "weight", (n_ff, n_embd), "matrix", i)
+                yield tensor(MODEL_TENSOR.FFN_UP_SHEXP, "weight", (n_embd, n_ff), "matrix", i)
             continue
         yield tensor(MODEL_TENSOR.FFN_GATE, "weight", (n_embd, n_ff), "matrix", i)
         yield tensor(MODEL_TENSOR.FFN_DOWN, "weight", (n_ff, n_embd), "matrix", i)
@@ -671,6 +697,8 @@ def _add_hparams(writer: gguf.GGUFWriter, spec: ModelSpec, n_vocab: int, file_ty
         writer.add_expert_feed_forward_length(spec.n_ff_exp)
         if spec.arch == "llama4":
             writer.add_uint32(f"{writer.arch}.interleave_moe_layer_step", spec.moe_every)
+        if spec.arch == "qwen2moe":
+            writer.add_expert_shared_feed_forward_length(spec.n_ff)
     writer.add_rope_freq_base(spec.rope_base)
     writer.add_rope_dimension_count(spec.n_rot)
     if spec.n_rot != spec.n_embd // spec.n_head:
