@@ -5,13 +5,13 @@ h += ffn_down(silu(ffn_gate(x)) * ffn_up(x)) with x = rms_norm(h). Llama 3.1+ fi
 frequency factors (rope_freqs.weight); files without output.weight tie it to token_embd (the backend
 makes that copy). Only the rows whose logits are needed leave the last layer's attention.
 
-A file with experts (expert_count > 0: Mixtral, Mistral's MoE conversions) has a mixture of experts in
+A file with experts (expert_count > 0: Mixtral; mistral3 files alike) has a mixture of experts in
 place of every FFN, as llama.cpp's llama graph routes it (build_moe_ffn with a softmax router and the
 chosen experts' weights renormalised to sum to 1; expert_weights_scale is not read, as llama.cpp does
 not read it for llama): its layers are `MoeLayer`s and their experts are bound apart (moe.bind_experts).
 
 Qwen2 and Qwen3 differ only in how q, k and v are made and in the RoPE variant, so they subclass this
-one and override `qkv` and `rope_options`; Qwen3-MoE also overrides `feed_forward`. Other hooks:
+one and override `qkv` and `rope_options`; Qwen3-MoE and Qwen2-MoE also override `feed_forward`. Other hooks:
 `query` (phi3 scales the query itself, mistral3 by position) and `self_attention`. Norms are found by
 name on the layer: `attn_norm` and `ffn_norm` before attention and feed-forward, `post_attention_norm`
 and `post_ffw_norm` after them; a layer type that does not declare one skips it (llama has no
