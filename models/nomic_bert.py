@@ -1,13 +1,22 @@
-"""Nomic BERT (nomic-embed-text v1/v1.5): BERT's post-norm encoder with rotary positions and SwiGLU.
+"""Nomic BERT (nomic-embed-text v1/v1.5, and v2 as nomic-bert-moe): BERT's post-norm encoder with rotary
+positions.
 
 Against BERT: no learned position table (queries and keys are NeoX-rotated by their positions, base
 rope.freq_base), one fused q/k/v projection (attn_qkv, cut into views as llama.cpp's build_qkv does),
-no biases on the projections, and a SwiGLU feed-forward (ffn_gate, ffn_up, ffn_down). Token type 0
-is added when the file has a token-type table. Pooling and normalisation are BERT's.
+biases on the projections only where the file has them, and a SwiGLU feed-forward (ffn_gate, ffn_up,
+ffn_down). Token type 0 is added when the file has a token-type table. Pooling and normalisation are
+BERT's.
+
+nomic-bert-moe (v2, XLM-RoBERTa's Unigram vocabulary) has BERT's GELU feed-forward with biases instead,
+and in every layer i with i % moe_every_n_layers == 1 (llama.cpp's rule: 1, 3, 5... for 2) a mixture
+of experts: a softmax router picks expert_used_count of expert_count ungated GELU experts (ffn_up_exps,
+ffn_down_exps, as wide as feed_forward_length) whose outputs are summed weighted by their probabilities,
+not renormalised.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -19,6 +28,7 @@ from ollama_engine.tokenizer import Tokenizer
 
 from .base import Model, ModelError, bind, register, weight
 from .bert import Bert, Options, Pooling
+from .moe import Experts, Gating, Routing, moe
 
 
 @dataclass
@@ -29,11 +39,34 @@ class Layer:
     attn_output_bias: Tensor | None = weight("attn_output.bias", optional=True)
     attn_output_norm: Tensor = weight("attn_output_norm.weight")
     attn_output_norm_bias: Tensor = weight("attn_output_norm.bias")
-    ffn_up: Tensor = weight("ffn_up.weight")
-    ffn_gate: Tensor = weight("ffn_gate.weight")
-    ffn_down: Tensor = weight("ffn_down.weight")
     layer_output_norm: Tensor = weight("layer_output_norm.weight")
     layer_output_norm_bias: Tensor = weight("layer_output_norm.bias")
+
+
+@dataclass
+class SwiGLU:
+    """v1's feed-forward."""
+
+    up: Tensor = weight("ffn_up.weight")
+    gate: Tensor = weight("ffn_gate.weight")
+    down: Tensor = weight("ffn_down.weight")
+
+
+@dataclass
+class Gelu:
+    """v2's dense feed-forward: BERT's."""
+
+    up: Tensor = weight("ffn_up.weight")
+    up_bias: Tensor | None = weight("ffn_up.bias", optional=True)
+    down: Tensor = weight("ffn_down.weight")
+    down_bias: Tensor | None = weight("ffn_down.bias", optional=True)
+
+
+@dataclass
+class UngatedExperts(Experts):
+    """v2's experts: no ffn_gate_exps."""
+
+    gate: Tensor | None = weight("ffn_gate_exps.weight", optional=True)
 
 
 @dataclass
@@ -51,13 +84,20 @@ class NomicBert(Bert):
     def __init__(self, backend: Backend, tokenizer: Tokenizer | None):
         Model.__init__(self, backend, tokenizer)  # not Bert's: its weights (a position table) differ
         self.options = Options.from_config(self.config)
-        if self.config.get_uint("expert_count", 0) > 0 or self.config.get_uint("moe_every_n_layers", 0) > 0:
-            raise ModelError("unknown model architecture: nomic-bert with a mixture of experts (nomic-bert-moe)")
         self.rope_base = self.config.get_float("rope.freq_base", 10000.0)
         self.rope_dims = self.config.get_uint("rope.dimension_count", self.options.head_dim)
         self.weights = bind(Weights, backend)
         self.layers = [bind(Layer, backend, f"blk.{i}.") for i in range(self.options.block_count)]
         self.cache = None
+        self.bind_ffns(backend)
+
+    def bind_ffns(self, backend: Backend) -> None:
+        self.ffns = [bind(SwiGLU, backend, f"blk.{i}.") for i in range(self.options.block_count)]
+
+    def ffn(self, i: int, h: Tensor) -> Tensor:
+        """Layer i's feed-forward of the normed hidden states h (hidden, n)."""
+        f = self.ffns[i]
+        return f.down.matmul(f.gate.matmul(h).silu(f.up.matmul(h))).set_name(f"ffn_out-{i}")
 
     def forward(self, ctx: Context, batch: Batch) -> Tensor | None:
         """The pooled embedding (hidden,) of the batch, or every token's hidden state without pooling."""
@@ -81,8 +121,7 @@ class NomicBert(Bert):
                 a = a.add(layer.attn_output_bias)
             a.set_name(f"kqv_out-{i}")
             h = a.add(h).layer_norm(layer.attn_output_norm, layer.attn_output_norm_bias, o.eps).set_name(f"ffn_inp-{i}")
-            f = layer.ffn_down.matmul(layer.ffn_gate.matmul(h).silu(layer.ffn_up.matmul(h))).set_name(f"ffn_out-{i}")
-            h = f.add(h).layer_norm(layer.layer_output_norm, layer.layer_output_norm_bias, o.eps)
+            h = self.ffn(i, h).add(h).layer_norm(layer.layer_output_norm, layer.layer_output_norm_bias, o.eps)
         h.set_name("result_embd")
         if o.pooling == Pooling.NONE:
             return h
@@ -98,3 +137,44 @@ class NomicBert(Bert):
         head = qkv.strides[0] * o.head_dim  # bytes of one head (the projection's output is F32)
         q, k, v = (qkv.view(i * o.heads * head, (o.head_dim, o.heads, n), (head, qkv.strides[1])) for i in range(3))
         return q, k, v
+
+
+@register("nomic-bert-moe", "nomic-bert-moe_embed")
+class NomicBertMoe(NomicBert):
+    def bind_ffns(self, backend: Backend) -> None:
+        every = self.config.get_uint("moe_every_n_layers", 0)
+        self.mixtures = {i for i in range(self.options.block_count) if every > 0 and i % every == 1}
+        self.routing = Routing.from_config(self.config, Gating.SOFTMAX, normalize=False) if self.mixtures else None
+        self.dense = {i: bind(Gelu, backend, f"blk.{i}.") for i in range(self.options.block_count)
+                      if i not in self.mixtures}
+        self.experts = {i: self._bind_experts(backend, i) for i in self.mixtures}
+
+    def _bind_experts(self, backend: Backend, i: int) -> Experts:
+        """Layer i's router and experts, their shapes checked (ggml aborts on an expert id beyond a stack)."""
+        assert self.routing is not None
+        experts = bind(UngatedExperts, backend, f"blk.{i}.")
+        e, n_embd = self.routing.n_expert, self.options.hidden
+        n_ff = (experts.up.shape + (-1,))[1]
+        for name, tensor, shape in (("ffn_gate_inp", experts.router, (n_embd, e)),
+                                    ("ffn_up_exps", experts.up, (n_embd, n_ff, e)),
+                                    ("ffn_down_exps", experts.down, (n_ff, n_embd, e))):
+            if tensor.shape != shape:
+                raise ModelError(f"tensor blk.{i}.{name}.weight has shape {list(tensor.shape)}, expected "
+                                 f"{list(shape)} (embedding_length {n_embd}, expert_count {e})")
+        # moe() runs a gate; this one is never reached from the output (gelu of up alone), so not computed
+        return dataclasses.replace(experts, gate=experts.up)
+
+    def ffn(self, i: int, h: Tensor) -> Tensor:
+        if i in self.experts:
+            assert self.routing is not None
+            return moe(h, self.experts[i], self.routing, i, activation=_ungated_gelu)
+        f = self.dense[i]
+        up = f.up.matmul(h)
+        up = (up.add(f.up_bias) if f.up_bias is not None else up).gelu().set_name(f"ffn_gelu-{i}")
+        down = f.down.matmul(up)
+        return (down.add(f.down_bias) if f.down_bias is not None else down).set_name(f"ffn_out-{i}")
+
+
+def _ungated_gelu(gate: Tensor, up: Tensor) -> Tensor:
+    """gelu(up): the experts have no gate (llama.cpp's build_moe_ffn with LLM_FFN_GELU and no gate_exps)."""
+    return up.gelu()

@@ -1,15 +1,19 @@
-"""Nomic BERT (nomic-embed-text) embeddings against llama.cpp's, on tiny synthetic models."""
+"""Nomic BERT (nomic-embed-text v1.5 and v2, nomic-bert-moe) embeddings against llama.cpp's, on tiny
+synthetic models; v2 also through the runner's memory fit and its /embedding route."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
+from test_embeddings import LOAD, serve
 
 from ollama_engine.fs.synthetic import write_synthetic
 from ollama_engine.models import load_model
 from ollama_engine.models.bert import Pooling
+from ollama_engine.runner.allocate import LoadParams, open_model
 from ollama_engine.runner.embed import embed
 
 PROMPTS = ["search_query: What is the capital of France?", "Hello", "Embeddings: café, naïve, 3.14159!"]
@@ -72,3 +76,100 @@ def test_positions_matter_through_rope(nomic):
         model.close()
     assert not np.allclose(a, b, atol=1e-4)
 
+
+
+# ---------------------------------------------------------------- v2: nomic-bert-moe
+
+# v2's vocabulary is XLM-RoBERTa's (250k Unigram pieces): accents, CJK and emoji become real pieces
+MOE_PROMPTS = [*PROMPTS, "Quelle est la capitale de la France ? 我想吃饭 😁", "word " * 100]
+# llama.cpp's batch of all prompts against its own one-prompt batches differs by up to 2.8e-5 (F16: other
+# matrix kernels for more rows); ours, always one prompt a batch, stays within 1e-7 of its one-prompt ones
+BATCHED_TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def nomic_moe(tmp_path_factory: pytest.TempPathFactory):
+    folder = tmp_path_factory.mktemp("nomic-moe")
+    written: dict[tuple[str, int], Path] = {}
+
+    def write(weight_type: str = "F32", moe_every: int = 2) -> Path:
+        if (weight_type, moe_every) not in written:
+            written[weight_type, moe_every] = write_synthetic(
+                folder / f"nomic-moe-{weight_type}-{moe_every}.gguf", "nomic-bert-moe", weight_type=weight_type,
+                moe_every=moe_every)
+        return written[weight_type, moe_every]
+
+    return write
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize(("weight_type", "moe_every"), [("F32", 2), ("F16", 2), ("Q8_0", 2), ("F32", 3)])
+def test_moe_embeddings_match_llama_cpp(nomic_moe, weight_type, moe_every):
+    """Each prompt alone, and all of them in one llama.cpp batch (one sequence each): the routing of a
+    token does not depend on its neighbours. Measured, largest difference alone: 6e-8 (F32, Q8_0), 1e-7
+    (F16); batched: 8e-7 (F32), 2.8e-5 (F16), 6e-8 (Q8_0)."""
+    import llama_cpp
+
+    path = nomic_moe(weight_type, moe_every)
+    model = load_model(path, num_threads=THREADS)
+    model.backend.load()
+    assert model.mixtures == set(range(1, 4, moe_every))  # llama.cpp's rule: i % moe_every_n_layers == 1
+    reference = llama_cpp.Llama(
+        model_path=str(path), embedding=True, pooling_type=int(Pooling.MEAN), n_ctx=CONTEXT, n_batch=CONTEXT,
+        n_ubatch=CONTEXT, n_threads=THREADS, n_threads_batch=THREADS, n_seq_max=len(MOE_PROMPTS), verbose=False,
+    )
+    try:
+        ours = [embed(model, prompt, CONTEXT) for prompt in MOE_PROMPTS]
+        alone = [reference.embed(prompt, normalize=True) for prompt in MOE_PROMPTS]
+        batched = reference.embed(MOE_PROMPTS, normalize=True)
+        for prompt, mine, one, many in zip(MOE_PROMPTS, ours, alone, batched, strict=True):
+            assert mine.prompt_eval_count == len(reference.tokenize(prompt.encode()))
+            for vector, tolerance in ((one, TOLERANCE), (many, BATCHED_TOLERANCE)):
+                vector = np.array(vector, dtype=np.float32)
+                assert float(mine.vector @ vector) > 1 - 1e-4
+                diff = np.abs(mine.vector - vector).max()
+                assert diff <= tolerance, f"{prompt!r}: largest difference {diff}"
+    finally:
+        reference.close()
+        model.close()
+
+
+def test_moe_fit_equals_alloc_and_embedding_allocates_nothing_more(nomic_moe):
+    path = str(nomic_moe())
+    params = LoadParams(batch_size=64, kv_size=64, num_threads=THREADS)
+    fit = open_model(path, params, allocate=False)
+    fit_report = fit.memory.to_json()
+    fit.close()
+    loaded = open_model(path, params, allocate=True)
+    try:
+        assert loaded.memory.to_json() == fit_report
+        before = loaded.model.backend.allocated()["CPU"]
+        assert before == loaded.memory.input_weights + loaded.memory.cpu.size()
+        loaded.model.backend.load()
+        for prompt in ("Hello", "word " * 60):  # one token, and the whole 64-token batch
+            embed(loaded.model, prompt, 64)
+        assert loaded.model.backend.allocated()["CPU"] == before
+    finally:
+        loaded.close()
+
+
+def test_moe_served_by_the_runner(nomic_moe):
+    """The runner's /embedding serves v2 end to end: the same floats as the model in this process."""
+    path = nomic_moe()
+    model = load_model(path, num_threads=THREADS)
+    model.backend.load()
+    try:
+        expected = [embed(model, prompt, LOAD["KvSize"]) for prompt in MOE_PROMPTS[:4]]
+    finally:
+        model.close()
+    answers = serve(path, [("/embedding", json.dumps({"content": p}).encode()) for p in MOE_PROMPTS[:4]])
+    for (status, body), want in zip(answers, expected, strict=True):
+        assert status == 200, body
+        got = json.loads(body)
+        assert got["prompt_eval_count"] == want.prompt_eval_count
+        np.testing.assert_array_equal(np.array(got["embedding"], dtype=np.float32), want.vector)
+
+
+def test_moe_preset_experts_are_as_wide_as_the_ffn(tmp_path):
+    with pytest.raises(ValueError, match="n_ff_exp == n_ff"):
+        write_synthetic(tmp_path / "bad.gguf", "nomic-bert-moe", n_ff_exp=64)

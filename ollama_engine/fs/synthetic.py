@@ -31,16 +31,16 @@ from ollama_engine.fs.gguf_file import GGUFFile
 ARCHITECTURES = (
     "llama", "qwen2", "qwen3", "bert", "gemma2", "gemma3", "qwen3moe", "nomic-bert", "phi3", "olmo2", "mistral3",
     "gpt-oss", "llama4",
-    "qwen2moe",
+    "qwen2moe", "nomic-bert-moe",
 )
 _ROPE_ARCHITECTURES = (
     "llama", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3moe", "nomic-bert", "phi3", "olmo2", "mistral3",
     "gpt-oss", "llama4",
-    "qwen2moe",
+    "qwen2moe", "nomic-bert-moe",
 )
 _POST_NORM_ARCHITECTURES = ("gemma2", "gemma3", "olmo2")  # olmo2: post-norms only, q/k norms over all heads
 _MOE_ARCHITECTURES = ("qwen3moe", "gpt-oss", "llama4", "qwen2moe")  # a router and stacked experts instead of the FFN
-_BERT_ARCHITECTURES = ("bert", "nomic-bert")  # encoders: post-norm, pooled
+_BERT_ARCHITECTURES = ("bert", "nomic-bert", "nomic-bert-moe")  # encoders: post-norm, pooled
 
 # Every type ggml quantizes to and computes with (Q2_0 aside: gguf-py does not know it yet), and the
 # general.file_type llama-quantize writes for it. K and IQ types need rows that are multiples of 256.
@@ -269,6 +269,25 @@ PRESETS: dict[str, ModelSpec] = {
         pooling_type=int(gguf.PoolingType.MEAN),
         name="tiny-nomic-bert",
     ),
+    # nomic-embed-text v2 (XLM-RoBERTa's Unigram vocabulary): every second layer (1, 3) a mixture of
+    # ungated GELU experts as wide as feed_forward_length
+    "tiny-nomic-bert-moe": ModelSpec(
+        arch="nomic-bert-moe",
+        n_layer=4,
+        n_embd=64,
+        n_head=4,
+        n_head_kv=4,
+        n_ff=128,
+        vocab="nomic-bert-moe",
+        context_length=512,
+        pooling_type=int(gguf.PoolingType.MEAN),
+        qkv_bias=True,
+        n_expert=4,
+        n_expert_used=2,
+        n_ff_exp=128,
+        moe_every=2,
+        name="tiny-nomic-bert-moe",
+    ),
     # Gemma with a short window and small caps so that a short prompt crosses the window and the caps bite
     "tiny-gemma2": ModelSpec(
         arch="gemma2",
@@ -481,6 +500,9 @@ def _check(spec: ModelSpec) -> None:
         raise ValueError(f"{spec.name}: {spec.arch} needs head_dim * n_head == n_embd")
     if spec.arch in _BERT_ARCHITECTURES and spec.n_head_kv != spec.n_head:
         raise ValueError(f"{spec.name}: {spec.arch} needs n_head_kv == n_head")
+    if spec.arch == "nomic-bert-moe" and (spec.moe_every < 1 or spec.n_ff_exp != spec.n_ff):
+        raise ValueError(f"{spec.name}: nomic-bert-moe needs moe_every >= 1 and experts as wide as the FFN "
+                         "(n_ff_exp == n_ff: llama.cpp sizes them by feed_forward_length)")
     mixture = spec.arch in _MOE_ARCHITECTURES or spec.n_expert
     if mixture and not (0 < spec.n_expert_used <= spec.n_expert and spec.n_ff_exp > 0):
         raise ValueError(f"{spec.name}: a mixture of experts needs 0 < n_expert_used <= n_expert and n_ff_exp > 0")
@@ -511,7 +533,7 @@ def _tensor_plan(spec: ModelSpec, n_vocab: int, qtype: GGMLQuantizationType) -> 
     n_q, n_kv = spec.n_head * spec.n_rot, spec.n_head_kv * spec.n_rot
     yield tensor(MODEL_TENSOR.TOKEN_EMBD, "weight", (n_embd, n_vocab), "embedding")
 
-    if spec.arch == "nomic-bert":
+    if spec.arch in ("nomic-bert", "nomic-bert-moe"):
         yield from _nomic_bert_tensors(tensor, spec)
         return
     if spec.arch == "bert":
@@ -604,19 +626,37 @@ def _phi3_tensors(tensor, spec: ModelSpec) -> Iterator[_Tensor]:
 
 
 def _nomic_bert_tensors(tensor, spec: ModelSpec) -> Iterator[_Tensor]:
-    """nomic-embed-text v1.5's layers: fused q/k/v, no position table, SwiGLU, no projection biases."""
-    n_embd, n_ff = spec.n_embd, spec.n_ff
-    yield tensor(MODEL_TENSOR.TOKEN_TYPES, "weight", (n_embd, 2), "table")
+    """nomic-embed-text v1.5's layers: fused q/k/v, no position table, SwiGLU, no projection biases.
+
+    v2 (nomic-bert-moe): one token type, GELU feed-forwards with biases, and in layers i % moe_every == 1
+    a router and ungated experts (up, down) as wide as feed_forward_length; q/k/v and output biases with
+    qkv_bias."""
+    n_embd, n_ff, moe = spec.n_embd, spec.n_ff, spec.arch == "nomic-bert-moe"
+    yield tensor(MODEL_TENSOR.TOKEN_TYPES, "weight", (n_embd, 1 if moe else 2), "table")
     yield tensor(MODEL_TENSOR.TOKEN_EMBD_NORM, "weight", (n_embd,), "norm")
     yield tensor(MODEL_TENSOR.TOKEN_EMBD_NORM, "bias", (n_embd,), "bias")
     for i in range(spec.n_layer):
         yield tensor(MODEL_TENSOR.ATTN_QKV, "weight", (n_embd, 3 * n_embd), "matrix", i)
+        if spec.qkv_bias:
+            yield tensor(MODEL_TENSOR.ATTN_QKV, "bias", (3 * n_embd,), "bias", i)
         yield tensor(MODEL_TENSOR.ATTN_OUT, "weight", (n_embd, n_embd), "matrix", i)
+        if spec.qkv_bias:
+            yield tensor(MODEL_TENSOR.ATTN_OUT, "bias", (n_embd,), "bias", i)
         yield tensor(MODEL_TENSOR.ATTN_OUT_NORM, "weight", (n_embd,), "norm", i)
         yield tensor(MODEL_TENSOR.ATTN_OUT_NORM, "bias", (n_embd,), "bias", i)
-        yield tensor(MODEL_TENSOR.FFN_UP, "weight", (n_embd, n_ff), "matrix", i)
-        yield tensor(MODEL_TENSOR.FFN_GATE, "weight", (n_embd, n_ff), "matrix", i)
-        yield tensor(MODEL_TENSOR.FFN_DOWN, "weight", (n_ff, n_embd), "matrix", i)
+        if moe and i % spec.moe_every == 1:
+            yield tensor(MODEL_TENSOR.FFN_GATE_INP, "weight", (n_embd, spec.n_expert), "table", i)
+            yield tensor(MODEL_TENSOR.FFN_UP_EXP, "weight", (n_embd, n_ff, spec.n_expert), "expert", i)
+            yield tensor(MODEL_TENSOR.FFN_DOWN_EXP, "weight", (n_ff, n_embd, spec.n_expert), "expert", i)
+        elif moe:
+            yield tensor(MODEL_TENSOR.FFN_UP, "weight", (n_embd, n_ff), "matrix", i)
+            yield tensor(MODEL_TENSOR.FFN_UP, "bias", (n_ff,), "bias", i)
+            yield tensor(MODEL_TENSOR.FFN_DOWN, "weight", (n_ff, n_embd), "matrix", i)
+            yield tensor(MODEL_TENSOR.FFN_DOWN, "bias", (n_embd,), "bias", i)
+        else:
+            yield tensor(MODEL_TENSOR.FFN_UP, "weight", (n_embd, n_ff), "matrix", i)
+            yield tensor(MODEL_TENSOR.FFN_GATE, "weight", (n_embd, n_ff), "matrix", i)
+            yield tensor(MODEL_TENSOR.FFN_DOWN, "weight", (n_ff, n_embd), "matrix", i)
         yield tensor(MODEL_TENSOR.LAYER_OUT_NORM, "weight", (n_embd,), "norm", i)
         yield tensor(MODEL_TENSOR.LAYER_OUT_NORM, "bias", (n_embd,), "bias", i)
 
@@ -687,8 +727,12 @@ def _add_hparams(writer: gguf.GGUFWriter, spec: ModelSpec, n_vocab: int, file_ty
         writer.add_layer_norm_eps(spec.eps)
         writer.add_causal_attention(False)
         writer.add_pooling_type(gguf.PoolingType(spec.pooling_type))
-        if spec.arch == "nomic-bert":
+        if spec.arch in ("nomic-bert", "nomic-bert-moe"):
             writer.add_rope_freq_base(spec.rope_base)
+        if spec.arch == "nomic-bert-moe":
+            writer.add_expert_count(spec.n_expert)
+            writer.add_expert_used_count(spec.n_expert_used)
+            writer.add_uint32(f"{spec.arch}.moe_every_n_layers", spec.moe_every)
         return
     writer.add_layer_norm_rms_eps(spec.eps)
     if spec.n_expert:
