@@ -167,14 +167,11 @@ class NomicBertMoe(NomicBert):
     def ffn(self, i: int, h: Tensor) -> Tensor:
         if i in self.experts:
             assert self.routing is not None
-            return moe(h, self.experts[i], self.routing, i, activation=_ungated_gelu)
+            # no gate: gelu(up), as llama.cpp's build_moe_ffn with LLM_FFN_GELU and no gate_exps
+            return moe(h, self.experts[i], self.routing, i,
+                       activation=lambda _gate, up: up.gelu().set_name(f"ffn_moe_gelu-{i}"))
         f = self.dense[i]
         up = f.up.matmul(h)
         up = (up.add(f.up_bias) if f.up_bias is not None else up).gelu().set_name(f"ffn_gelu-{i}")
         down = f.down.matmul(up)
         return (down.add(f.down_bias) if f.down_bias is not None else down).set_name(f"ffn_out-{i}")
-
-
-def _ungated_gelu(gate: Tensor, up: Tensor) -> Tensor:
-    """gelu(up): the experts have no gate (llama.cpp's build_moe_ffn with LLM_FFN_GELU and no gate_exps)."""
-    return up.gelu()
