@@ -1,6 +1,8 @@
 """Where a runner's time to ready goes, in the runner's own CPU seconds (meaningful on a shared machine,
 where wall time is not): imports until /health answers, then each /load of fit -> alloc -> commit as
-Ollama's parent sends them, then reading the weights until /health says ready. Also its peak RSS.
+Ollama's parent sends them, then reading the weights until /health says ready. Also its peak RSS, its
+memory at ready (anonymous and file-backed, from smaps_rollup), and the weights' move onto 2 MiB pages
+that follows in the background (OLLAMA_ENGINE_HUGE_PAGES=collapse): its CPU seconds and AnonHugePages.
 
     .venv/bin/python bench/ready_cpu.py bench/out/llama-3.2-1b-Q4_0.gguf bench/out/smollm2-135m-Q8_0.gguf
 """
@@ -23,8 +25,29 @@ from ollama_engine.llm.runner_handle import RunnerHandle  # noqa: E402
 from ollama_engine.server.wire import ServerStatus  # noqa: E402
 
 
-def phases(model: str, threads: int) -> tuple[list[tuple[str, float]], float]:
-    """(phase, CPU seconds) in order, and the runner's VmHWM in MiB."""
+def memory_mib(pid: int) -> dict[str, float]:
+    """The process's Rss, Anonymous, AnonHugePages and file-backed pages (Rss - Anonymous), in MiB."""
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        fields = {line.split(":")[0]: int(line.split()[1]) / 1024 for line in f if line.endswith("kB\n")}
+    keep = {key: fields[key] for key in ("Rss", "Anonymous", "AnonHugePages")}
+    return {**keep, "file": fields["Rss"] - fields["Anonymous"]}
+
+
+def after_ready(pid: int, settle: float = 1.0, limit: float = 30.0) -> tuple[float, float]:
+    """(CPU seconds, AnonHugePages MiB) once the runner has been idle for `settle` seconds after ready:
+    what moving the weights onto huge pages in the background cost, and where it left them."""
+    cpu, start = process_cpu_seconds(pid), time.monotonic()
+    while time.monotonic() - start < limit:
+        time.sleep(settle)
+        if process_cpu_seconds(pid) - cpu < 0.02:
+            break
+        cpu = process_cpu_seconds(pid)
+    return process_cpu_seconds(pid), memory_mib(pid)["AnonHugePages"]
+
+
+def phases(model: str, threads: int) -> tuple[list[tuple[str, float]], float, dict[str, float]]:
+    """(phase, CPU seconds) in order, the runner's VmHWM in MiB and its memory (memory_mib) at ready;
+    the last phase is what the runner did after ready until idle, with AnonHugePages then."""
     total_layers = GGUFFile.open(model).config.get_uint("block_count") + 1
     options = LoadOptions(num_ctx=N_CTX, parallel=1, batch_size=BATCH, num_gpu=0, num_threads=threads,
                           kv_cache_type="f16")
@@ -38,14 +61,16 @@ def phases(model: str, threads: int) -> tuple[list[tuple[str, float]], float]:
         while handle.health(timeout=5)[0] != ServerStatus.READY:
             time.sleep(0.01)
         marks.append(("weights read (ready)", process_cpu_seconds(pid)))
-        rss = peak_rss_mib(pid)
+        rss, memory = peak_rss_mib(pid), memory_mib(pid)
+        cpu, huge = after_ready(pid)
+        marks.append((f"after ready ({huge:.0f} MiB huge)", cpu))
     finally:
         handle.close()
     previous, out = 0.0, []
     for name, seconds in marks:
         out.append((name, seconds - previous))
         previous = seconds
-    return out, rss
+    return out, rss, memory
 
 
 def main() -> int:
@@ -54,11 +79,12 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     for model in args.models:
-        steps, rss = phases(model, args.threads)
+        steps, rss, memory = phases(model, args.threads)
         print(model)
         for name, seconds in steps:
-            print(f"  {name:22s} {seconds:5.2f} s")
-        print(f"  {'total':22s} {sum(s for _, s in steps):5.2f} s CPU   peak RSS {rss:.0f} MiB")
+            print(f"  {name:28s} {seconds:5.2f} s")
+        print(f"  {'total to ready':28s} {sum(s for _, s in steps[:-1]):5.2f} s CPU   peak RSS {rss:.0f} MiB")
+        print("  at ready, MiB: " + ", ".join(f"{key} {value:.0f}" for key, value in memory.items()))
     return 0
 
 

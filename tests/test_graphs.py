@@ -200,25 +200,34 @@ def test_q4_0_weights_are_repacked_for_the_cpu_and_match_the_plain_layout(tmp_pa
     assert (np.argmax(logits, axis=1) == np.argmax(results[False][1], axis=1)).mean() > 0.9
 
 
-def vm_flags(address: int) -> list[str]:
-    """The VmFlags of the mapping that holds `address`, from /proc/self/smaps."""
-    inside = False
+def mapping_fields(address: int) -> dict[str, str]:
+    """The /proc/self/smaps fields (VmFlags, AnonHugePages, ...) of the mapping that holds `address`."""
+    inside, fields = False, {}
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and not head.endswith(":"):
+            if inside:
+                break
             low, high = (int(part, 16) for part in head.split("-"))
             inside = low <= address < high
-        elif inside and head == "VmFlags:":
-            return line.split()[1:]
-    raise LookupError(f"no mapping holds {address:#x}")
+        elif inside:
+            key, _, value = line.partition(":")
+            fields[key] = value.strip()
+    if not inside:
+        raise LookupError(f"no mapping holds {address:#x}")
+    return fields
 
 
-def test_cpu_weight_buffers_repacked_ones_included_are_advised_onto_huge_pages(tmp_path):
+@pytest.mark.parametrize("mode", ["collapse", "fault"])
+def test_cpu_weight_buffers_repacked_ones_included_end_up_on_huge_pages(tmp_path, monkeypatch, mode):
+    """By default (collapse) weights are loaded on 4 KiB pages, the fast way, and moved onto 2 MiB pages
+    in the background afterwards; "fault" advises them before loading, as before."""
     from ollama_engine.ggml import backend as ggml_backend
 
     setting = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if not setting.exists() or "[never]" in setting.read_text():
         pytest.skip("no transparent huge pages on this machine")
+    monkeypatch.setenv("OLLAMA_ENGINE_HUGE_PAGES", mode)
     path = write_synthetic(tmp_path / "q4.gguf", "llama", weight_type="Q4_0", n_embd=1024, n_ff=4096, n_head=8,
                            n_head_kv=8)
     model = load_model(path, num_threads=THREADS)
@@ -228,8 +237,24 @@ def test_cpu_weight_buffers_repacked_ones_included_are_advised_onto_huge_pages(t
         assert all(ggml_backend.in_host_memory(b) for b in buffers)  # the repacked ones too
         large = [b for b in buffers if ggml_backend.buffer_size(b) >= 4 * ggml_backend.HUGE_PAGE]
         assert len(large) == 2  # the repacked matrices, and the rest (token embeddings, norms)
-        for buffer in large:
-            inner = -(-ggml_backend.buffer_base(buffer) // ggml_backend.HUGE_PAGE) * ggml_backend.HUGE_PAGE
-            assert "hg" in vm_flags(inner)
+        inner = [-(-ggml_backend.buffer_base(b) // ggml_backend.HUGE_PAGE) * ggml_backend.HUGE_PAGE for b in large]
+        if mode == "fault":
+            assert all("hg" in mapping_fields(address)["VmFlags"].split() for address in inner)
+        model.backend.load()
+        if mode == "collapse":
+            model.backend._collapser.join()
+        for address in inner:
+            fields = mapping_fields(address)
+            assert "hg" in fields["VmFlags"].split()
+            if not (mode == "collapse" and platform_lacks_collapse()):
+                assert int(fields["AnonHugePages"].split()[0]) >= 2048
     finally:
         model.close()
+
+
+def platform_lacks_collapse() -> bool:
+    """MADV_COLLAPSE came with Linux 6.1."""
+    import platform
+
+    major, minor = (int(x) for x in platform.release().split(".")[:2])
+    return (major, minor) < (6, 1)

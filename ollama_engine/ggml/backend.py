@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -172,6 +173,8 @@ def place_tensor(buffer, tensor, offset: int = 0) -> None:
 
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14  # Linux
+MADV_COLLAPSE = 25  # Linux 6.1
+COLLAPSE_STEP = 32 * HUGE_PAGE  # how much one madvise(MADV_COLLAPSE) call moves: the unit a stop waits for
 
 
 def cpu_cache_line_buffer_type():
@@ -201,21 +204,49 @@ def buffer_base(buffer) -> int:
     return int(ffi.cast("uintptr_t", lib.ggml_backend_buffer_get_base(buffer)))
 
 
-def advise_huge_pages(buffer) -> bool:
-    """Ask Linux to back a buffer in host memory with 2 MiB pages (before it is first written).
-
-    Weights are streamed through once per token; with 4 KiB pages that costs a TLB miss every 4 KiB,
-    and decoding measured about 10% faster on huge pages. A no-op (False) off Linux, for device memory,
-    or where transparent huge pages are disabled.
-    """
+def _huge_page_span(buffer) -> tuple[int, int] | None:
+    """The whole 2 MiB pages inside a buffer in host memory, as (start, stop); None when there are none."""
     if not sys.platform.startswith("linux") or not in_host_memory(buffer):
-        return False
+        return None
     base = buffer_base(buffer)
     start = -(-base // HUGE_PAGE) * HUGE_PAGE
     stop = (base + lib.ggml_backend_buffer_get_size(buffer)) // HUGE_PAGE * HUGE_PAGE
-    if stop <= start:
+    return (start, stop) if stop > start else None
+
+
+def advise_huge_pages(buffer) -> bool:
+    """Ask Linux to back a buffer in host memory with 2 MiB pages (the pages written after the advice).
+
+    Weights are streamed through once per token; with 4 KiB pages that costs a TLB miss every 4 KiB,
+    and decoding measured 4-11% faster on huge pages. A no-op (False) off Linux, for device memory,
+    or where transparent huge pages are disabled.
+    """
+    span = _huge_page_span(buffer)
+    if span is None:
         return False
-    return _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(stop - start), MADV_HUGEPAGE) == 0
+    return _libc().madvise(ctypes.c_void_p(span[0]), ctypes.c_size_t(span[1] - span[0]), MADV_HUGEPAGE) == 0
+
+
+def collapse_huge_pages(buffer, stopped: Callable[[], bool]) -> bool:
+    """Move a written buffer's pages onto 2 MiB pages (MADV_COLLAPSE), a step at a time until `stopped()`.
+
+    Faulting a fresh buffer in on huge pages costs the load up to 4 ms of compaction per page (1.8 s of
+    system time for a 1B model); collapsing afterwards pays it in the caller's thread, off the load, and
+    the GIL is released meanwhile (ctypes). False where the kernel cannot (before 6.1: EINVAL; no huge
+    page to be had: ENOMEM, EAGAIN), leaving the pages as they are.
+    """
+    span = _huge_page_span(buffer)
+    if span is None:
+        return False
+    start, stop = span
+    for step in range(start, stop, COLLAPSE_STEP):
+        if stopped():
+            return False
+        size = min(COLLAPSE_STEP, stop - step)
+        if _libc().madvise(ctypes.c_void_p(step), ctypes.c_size_t(size), MADV_COLLAPSE) != 0:
+            _log.debug("MADV_COLLAPSE failed: %s", os.strerror(ctypes.get_errno()))
+            return False
+    return True
 
 
 @functools.cache

@@ -44,6 +44,16 @@ OUTPUT_PARTS = {
 }
 PER_LAYER_PARTS = {"rope_freqs", "rope_factors_long", "rope_factors_short"}
 LOAD_CHUNK = 4 << 20
+HUGE_PAGE_MODES = ("collapse", "fault", "off")
+
+
+def huge_page_mode() -> str:
+    """How CPU weights get onto 2 MiB pages (OLLAMA_ENGINE_HUGE_PAGES): "collapse" (the default) moves them
+    there in a background thread once loaded, "fault" advises the buffers before loading (the load pays
+    for compaction: 0.7 s of a 1B model's time to ready here), "off" keeps 4 KiB pages.
+    """
+    mode = os.environ.get("OLLAMA_ENGINE_HUGE_PAGES", "collapse")
+    return mode if mode in HUGE_PAGE_MODES else "collapse"
 
 
 @dataclass(frozen=True)
@@ -90,6 +100,10 @@ class Backend:
         self._buffers: list = []
         self._placeholders: dict[int, object] = {}
         self._weight_contexts: list = []
+        self._weight_buffers: list = []
+        self.huge_pages = huge_page_mode()
+        self._collapser: threading.Thread | None = None
+        self._stop_collapse = threading.Event()
         self.weights: dict[str, Tensor] = {}
         self._load_targets: dict[str, list[Tensor]] = {}
         self._repacked: set[str] = set()  # weights in a repacked layout: written whole, never read back
@@ -240,8 +254,10 @@ class Backend:
             if buffer is None:
                 raise NoMemory(self.memory)
             ggml_backend.mark_weights(buffer)
-            ggml_backend.advise_huge_pages(buffer)
+            if self.huge_pages == "fault":
+                ggml_backend.advise_huge_pages(buffer)
             self._buffers.append((device, buffer))
+            self._weight_buffers.append(buffer)
             log.debug("weights allocated", extra={
                 "device": device.name, "buffer_type": ggml_backend.buffer_type_name(buft),
                 "tensors": len(handles), "bytes": ggml_backend.buffer_size(buffer)})
@@ -372,13 +388,33 @@ class Backend:
                     future.result()
         finally:
             os.close(fd)
+        if self.huge_pages == "collapse":
+            self._collapser = threading.Thread(target=self._collapse_huge_pages, name="huge-pages", daemon=True)
+            self._collapser.start()
         if progress is not None:
             progress(1.0)
         log.info("model loaded", extra={"tensors": len(infos), "bytes": total})
 
+    def _collapse_huge_pages(self) -> None:
+        """Move the loaded weights onto 2 MiB pages (decoding is 4-11% faster there), off the time to ready.
+
+        Runs beside the first requests, which it slows down while it lasts (1.3 s of system time for a
+        1B model). Advised first: where the kernel cannot collapse, khugepaged does it, slowly.
+        """
+        for buffer in self._weight_buffers:
+            ggml_backend.advise_huge_pages(buffer)
+        for buffer in self._weight_buffers:
+            if not ggml_backend.collapse_huge_pages(buffer, self._stop_collapse.is_set):
+                return
+        log.debug("weights on huge pages")
+
     # ------------------------------------------------------------ teardown
 
     def close(self) -> None:
+        self._stop_collapse.set()
+        if self._collapser is not None:
+            self._collapser.join()
+            self._collapser = None
         if self.scheduler is not None:
             self.scheduler.free()
             self.scheduler = None
@@ -388,6 +424,7 @@ class Backend:
         for _, buffer in self._buffers:
             ggml_backend.free_buffer(buffer)
         self._buffers = []
+        self._weight_buffers = []
         self._placeholders = {}
         for ctx in self._weight_contexts:
             ggml.free_context(ctx)
