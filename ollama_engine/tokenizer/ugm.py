@@ -40,23 +40,25 @@ class UnigramSegmenter:
         self._add_space_prefix = vocab.add_space_prefix
         self._merge_spaces = remove_extra_whitespaces
         self._charsmap = _CharsMap(charsmap)
-        matched = int(TokenAttr.NORMAL | TokenAttr.USER_DEFINED | TokenAttr.UNUSED)
-        user = int(TokenAttr.USER_DEFINED)
-        attrs = list(map(int, vocab.attrs))  # plain ints: IntFlag operations are slow over 250k tokens
-        flags = np.array(attrs, dtype=np.int64)
-        normal = np.array(vocab.scores, dtype=np.float32)[flags & int(TokenAttr.NORMAL) != 0]
+        # numpy and C-level loops: a vocabulary may hold 250k tokens (IntFlag operations are slow)
+        flags = np.fromiter(map(int, vocab.attrs), dtype=np.int64, count=len(vocab))
+        scores = np.array(vocab.scores, dtype=np.float32)
+        normal = scores[flags & int(TokenAttr.NORMAL) != 0]
         min_score = normal.min() if normal.size else np.float32(np.finfo(np.float32).max)
-        self._tokens: dict[bytes, tuple[int, float]] = {}  # matchable token text -> id, score
-        self._longest: dict[bytes, int] = {}  # first character -> longest matchable token starting with it
-        user_defined: list[bytes] = []
-        for token_id in np.flatnonzero(flags & matched).tolist():
-            key = vocab.tokens[token_id].encode()
-            if attrs[token_id] & user:
-                user_defined.append(key)
-            self._tokens[key] = (token_id, 0.0 if attrs[token_id] & user else vocab.scores[token_id])
-            first = key[:_utf8_len(key[0])]
-            if len(key) > self._longest.get(first, 0):
-                self._longest[first] = len(key)
+        user = flags & int(TokenAttr.USER_DEFINED) != 0
+        ids = np.flatnonzero(flags & int(TokenAttr.NORMAL | TokenAttr.USER_DEFINED | TokenAttr.UNUSED))
+        texts = [vocab.tokens[i] for i in ids.tolist()]
+        keys = [text.encode() for text in texts]
+        # user-defined tokens score 0, above every normal token (log probabilities)
+        token_scores = np.where(user, 0.0, scores.astype(np.float64))[ids].tolist()
+        # matchable token text -> id, score
+        self._tokens = dict(zip(keys, zip(ids.tolist(), token_scores, strict=True), strict=True))
+        lengths = np.array([len(key) for key in keys], dtype=np.int64)
+        by_length = np.argsort(lengths, kind="stable").tolist()
+        # first character -> the longest matchable token starting with it (longer ones written last)
+        self._longest: dict[bytes, int] = dict(zip((texts[k][0].encode() for k in by_length),
+                                                   lengths[by_length].tolist(), strict=True))
+        user_defined = [vocab.tokens[i].encode() for i in np.flatnonzero(user).tolist()]
         self._unknown_score = float(min_score - _UNKNOWN_PENALTY)  # float arithmetic, as llama.cpp
         # every prefix of a user-defined token: llama.cpp's trie walk stops at the longest one shared
         self._user_prefixes = {key[:n] for key in user_defined for n in range(1, len(key) + 1)}
