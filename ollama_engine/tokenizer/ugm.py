@@ -71,8 +71,9 @@ class UnigramSegmenter:
         return cls(vocab, blob, bool(metadata.get("tokenizer.ggml.remove_extra_whitespaces", False)))
 
     def encode(self, text: str, after_special: bool) -> list[int]:
-        """Encode one fragment; add_space_prefix puts a space before the fragment's first word unless the
-        fragment continues other text (after_special False: llama.cpp always adds it)."""
+        """Encode one fragment of text between special tokens; with add_space_prefix its first word gets a
+        leading space, as llama.cpp gives every fragment, except in a continuation of other text
+        (after_special False: Tokenizer.encode_continuation)."""
         data = self.normalize(text.encode(), prepend_space=self._add_space_prefix and after_special)
         return self._viterbi(data)
 
@@ -119,6 +120,8 @@ class UnigramSegmenter:
         return char, n
 
     def _viterbi(self, data: bytes) -> list[int]:
+        """The best-scoring ids for normalised bytes, scored and tie-broken exactly as llama.cpp: characters
+        in order, candidate tokens shortest first, a later candidate winning only with a higher score."""
         n = len(data)
         if n == 0:
             return []
