@@ -4,6 +4,7 @@ synthetic models; v2 also through the runner's memory fit and its /embedding rou
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 from test_embeddings import LOAD, serve
 
 from ollama_engine.fs.synthetic import write_synthetic
-from ollama_engine.models import load_model
+from ollama_engine.models import ModelError, load_model
 from ollama_engine.models.bert import Pooling
 from ollama_engine.runner.allocate import LoadParams, open_model
 from ollama_engine.runner.embed import embed
@@ -173,3 +174,18 @@ def test_moe_served_by_the_runner(nomic_moe):
 def test_moe_preset_experts_are_as_wide_as_the_ffn(tmp_path):
     with pytest.raises(ValueError, match="n_ff_exp == n_ff"):
         write_synthetic(tmp_path / "bad.gguf", "nomic-bert-moe", n_ff_exp=64)
+
+
+def test_moe_experts_not_matching_expert_count_are_refused(nomic_moe, tmp_path):
+    """ggml aborts on an expert id beyond a stack: a file whose stacks hold fewer experts than expert_count
+    says is refused at load."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import fuzz_gguf
+
+    model = fuzz_gguf.Model.read(nomic_moe())
+    value_type, _, _ = model.metadata["nomic-bert-moe.expert_count"]
+    model.metadata["nomic-bert-moe.expert_count"] = (value_type, None, 8)
+    path = tmp_path / "eight.gguf"
+    path.write_bytes(model.to_bytes())
+    with pytest.raises(ModelError, match=r"blk.1.ffn_gate_inp.weight has shape \[64, 4\], expected \[64, 8\]"):
+        load_model(path, allocate=False)
