@@ -15,7 +15,7 @@ from .cache import Cache
 
 def attention(
     ctx: Context, query: Tensor, key: Tensor | None, value: Tensor | None, scale: float, cache: Cache | None = None,
-    *, softcap: float = 0.0, sinks: Tensor | None = None,
+    *, softcap: float = 0.0, sinks: Tensor | None = None, value_projection: Tensor | None = None,
 ) -> Tensor:
     """query (head_dim, heads, n), key/value (head_dim, kv_heads, n) -> (v_head_dim, heads, n).
 
@@ -24,7 +24,9 @@ def attention(
     softcap > 0 caps the scores at softcap * tanh(q·k / softcap) (Gemma 2); it needs scale 1 (a query
     scaled beforehand, as Gemma's is), since ggml's fused kernel caps scaled scores and llama.cpp's matmul
     path raw ones. sinks (F32, one per query head) join each head's softmax as a logit without a value
-    (gpt-oss).
+    (gpt-oss). value_projection (v_head_dim, out_dim, heads) maps each head's output through its own
+    matrix, giving (out_dim, heads, n): multi-head latent attention's attn_v_b, applied where llama.cpp
+    applies it (its v_mla), to the same layout, so that the products round alike.
     """
     if softcap and scale != 1.0:
         raise ValueError(f"attention: a softcap ({softcap}) needs scale 1, got {scale}: scale the query instead")
@@ -34,7 +36,7 @@ def attention(
     if cache is None:
         if key is None or value is None:
             raise ValueError("attention without a cache needs the key and the value")
-        return _attend(ctx, query, key, value, None, scale, False, softcap, sinks)
+        return _attend(ctx, query, key, value, None, scale, False, softcap, sinks, value_projection)
 
     stored = key is not None and value is not None
     if stored:
@@ -54,7 +56,8 @@ def attention(
     out = None
     for segment in segments:
         rows = query if len(segments) == 1 else _rows(query, segment.begin, segment.count)
-        part = _attend(ctx, rows, segment.key, segment.value, segment.mask, scale, permuted_v, softcap, sinks)
+        part = _attend(ctx, rows, segment.key, segment.value, segment.mask, scale, permuted_v, softcap, sinks,
+                       value_projection)
         out = part if out is None else out.concat(part, 2)
     return out.hadamard(value_rotation) if value_rotation is not None else out
 
@@ -66,7 +69,7 @@ def _rows(x: Tensor, begin: int, count: int) -> Tensor:
 
 def _attend(
     ctx: Context, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, scale: float, permuted_v: bool,
-    softcap: float, sinks: Tensor | None = None,
+    softcap: float, sinks: Tensor | None = None, value_projection: Tensor | None = None,
 ) -> Tensor:
     """One sequence: query (head_dim, heads, n) against its history -> (v_head_dim, heads, n)."""
     q = query.permute(0, 2, 1, 3)  # (head_dim, n, heads)
@@ -76,7 +79,10 @@ def _attend(
             raise ValueError("flash attention needs a cache that stores V untransposed (permuted_v=False)")
         if mask is not None and mask.dtype != DType.F16:
             mask = mask.cast(DType.F16)
-        return q.flash_attention(k, value.permute(0, 2, 1, 3), mask, scale, softcap, sinks)
+        out = q.flash_attention(k, value.permute(0, 2, 1, 3), mask, scale, softcap, sinks)  # (v_dim, heads, n)
+        if value_projection is None:
+            return out
+        return value_projection.matmul(out.permute(0, 2, 1, 3)).permute(0, 2, 1, 3).contiguous()
 
     if not permuted_v:
         value = value.permute(1, 2, 0, 3).contiguous()  # (history, v_head_dim, kv_heads)
@@ -84,4 +90,7 @@ def _attend(
     if softcap:
         scores = scores.scale(1.0 / softcap).tanh().scale(softcap)
     scores = scores.softmax(mask, scale, sinks)
-    return value.matmul(scores).permute(0, 2, 1, 3).contiguous()
+    out = value.matmul(scores)  # (v_head_dim, n, heads)
+    if value_projection is not None:
+        out = value_projection.matmul(out)
+    return out.permute(0, 2, 1, 3).contiguous()

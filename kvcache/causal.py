@@ -16,11 +16,16 @@ Variants (all keyword arguments of the constructor):
 - window_size: sliding-window attention, a token sees itself and the `window_size` positions before;
 - memory_size: how many positions per sequence a sliding-window cache keeps (default: the window),
   so that a sequence can be resumed a little way back;
-- chunk_size: chunked attention, a token sees only earlier tokens of its own chunk.
+- chunk_size: chunked attention, a token sees only earlier tokens of its own chunk;
+- value_in_key: multi-head latent attention (DeepSeek-V2/V3), as llama.cpp's MLA cache: only keys are
+  stored, and a key's first `value_in_key` features are its value (the compressed latent, the rest
+  its roped part), so no value tensor exists and V is read as a view of K. put() takes the value
+  only to check its shape: it must be what the key starts with.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -80,8 +85,10 @@ class Causal:
         window_size: int | None = None,
         memory_size: int | None = None,
         chunk_size: int | None = None,
+        value_in_key: int | None = None,
     ):
-        for name, value in (("window_size", window_size), ("memory_size", memory_size), ("chunk_size", chunk_size)):
+        for name, value in (("window_size", window_size), ("memory_size", memory_size), ("chunk_size", chunk_size),
+                            ("value_in_key", value_in_key)):
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
         if memory_size is not None and (window_size is None or memory_size < window_size):
@@ -92,6 +99,7 @@ class Causal:
         self._window = window_size  # None: unlimited
         self._memory_request = memory_size
         self._chunk = chunk_size
+        self._value_in_key = value_in_key
         self._config: CacheConfig | None = None
         self._backend: Backend | None = None
 
@@ -117,7 +125,10 @@ class Causal:
             raise ValueError(f"cache sizes must be positive: {max_sequences=}, {capacity=}, {max_batch=}")
         if self._config is None:
             self._config = backend_cache_config(backend)
-        if dtype in QUANTIZED_TYPES and self._config.permuted_v:
+        if self._value_in_key is not None and self._config.permuted_v:  # V is a view of K, never transposed
+            self._config = dataclasses.replace(self._config, permuted_v=False)
+        if dtype in QUANTIZED_TYPES and (self._config.permuted_v or
+                                         (self._value_in_key is not None and not backend.flash_attention)):
             raise ValueError(f"a {dtype.name} kv cache needs flash attention (it cannot store V transposed)")
 
         # `None` is unlimited memory: every position of the sequence is kept.
@@ -142,7 +153,7 @@ class Causal:
         self._used = np.zeros(self._cells, dtype=bool)
         self._storage = backend.new_context(2 * (backend.block_count + 1))
         self._keys: dict[int, Tensor] = {}
-        self._values: dict[int, Tensor] = {}
+        self._values: dict[int, Tensor | None] = {}
         self._layer = 0
         self._batch: Batch | None = None
         self._bound: _Bound | None = None  # the inputs of the context bound last
@@ -254,7 +265,7 @@ class Causal:
         size is not a multiple of 64.
         """
         self._require_init()
-        if self._dtype not in QUANTIZED_TYPES:
+        if self._dtype not in QUANTIZED_TYPES or self._value_in_key is not None:  # llama.cpp rotates no MLA cache
             return None, None
         k_size = k_dim & -k_dim if k_dim % 64 == 0 else None
         v_size = 64 if v_dim % 64 == 0 else None
@@ -276,6 +287,8 @@ class Causal:
         k_width, v_width = key.ne[0] * key.ne[1], value.ne[0] * value.ne[1]
         ctx.forward(Tensor(ctx, keys.handle).reshape(k_width, self._cells).set_rows(
             key.reshape(k_width, n), self._bound.locs_tensor))
+        if values is None:
+            return  # the value is the key's first features, stored with it
         if self.config.permuted_v:
             # one-element rows: cell index fastest, so each (dim, head) is a contiguous run of cells
             rows = value.reshape(v_width, 1, n).permute(2, 0, 1, 3)
@@ -318,7 +331,9 @@ class Causal:
             for layer, keys in self._keys.items():
                 key, value = self._cell_views(ctx, keys, self._values[layer], src.start, span)
                 key_to, value_to = self._cell_views(ctx, keys, self._values[layer], dst.start, span)
-                ctx.forward(key.copy_to(key_to), value.copy_to(value_to))
+                ctx.forward(key.copy_to(key_to))
+                if self._values[layer] is not None:
+                    ctx.forward(value.copy_to(value_to))
             ctx.compute()
 
     def can_resume(self, seq: int, position: int) -> bool:
@@ -467,29 +482,44 @@ class Causal:
             masks.append(_MASK_VALUES[dtype][visible.view(np.uint8)])  # cheaper than np.where per decoded token
         return masks
 
-    def _cell_views(self, ctx: Context, keys: Tensor, values: Tensor, start: int, length: int) -> tuple[Tensor, Tensor]:
+    def _cell_views(
+        self, ctx: Context, keys: Tensor, values: Tensor | None, start: int, length: int,
+    ) -> tuple[Tensor, Tensor]:
         """Views of `length` cells from `start` of one layer's stored keys and values."""
         key = Tensor(ctx, keys.handle).view(keys.strides[2] * start, (keys.ne[0], keys.ne[1], length))
+        if values is None:  # MLA: the value is each key's first features
+            return key, key.view(0, (self._value_in_key, keys.ne[1], length))
         if self.config.permuted_v:
             value = Tensor(ctx, values.handle).view(values.strides[0] * start, (length, values.ne[1], values.ne[2]))
         else:
             value = Tensor(ctx, values.handle).view(values.strides[2] * start, (values.ne[0], values.ne[1], length))
         return key, value
 
-    def _layer_tensors(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-        """The layer's stored key and value, allocated (on the layer's device) at its first put()."""
+    def _layer_tensors(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The layer's stored key and value (None: MLA's value is in the key), allocated (on the layer's
+        device) at its first put()."""
         layer = self._layer
+        if self._value_in_key is not None:
+            if value.ne[0] != self._value_in_key or value.ne[1] != key.ne[1] or key.ne[0] <= self._value_in_key:
+                raise ShapeError(f"put: value {value.shape} is not the first {self._value_in_key} features of "
+                                 f"key {key.shape}")
         if layer not in self._keys:
             storage = self._storage.layer(layer)
             k_dim, k_heads, v_dim, v_heads = key.ne[0], key.ne[1], value.ne[0], value.ne[1]
             self._keys[layer] = storage.zeros(self._dtype, k_dim, k_heads, self._cells).set_name(f"cache_k_l{layer}")
-            if self.config.permuted_v:
-                values = storage.zeros(self._dtype, self._cells, v_dim, v_heads)
+            if self._value_in_key is not None:
+                self._values[layer] = None
             else:
-                values = storage.zeros(self._dtype, v_dim, v_heads, self._cells)
-            self._values[layer] = values.set_name(f"cache_v_l{layer}")
+                if self.config.permuted_v:
+                    values = storage.zeros(self._dtype, self._cells, v_dim, v_heads)
+                else:
+                    values = storage.zeros(self._dtype, v_dim, v_heads, self._cells)
+                self._values[layer] = values.set_name(f"cache_v_l{layer}")
         keys, values = self._keys[layer], self._values[layer]
-        v_shape = values.ne[1:3] if self.config.permuted_v else values.ne[0:2]
+        if values is None:
+            v_shape = (self._value_in_key, keys.ne[1])
+        else:
+            v_shape = values.ne[1:3] if self.config.permuted_v else values.ne[0:2]
         if keys.ne[0:2] != key.ne[0:2] or v_shape != value.ne[0:2]:
             raise ShapeError(f"put: key {key.shape} / value {value.shape} differ from layer {layer}'s earlier ones")
         return keys, values

@@ -18,6 +18,7 @@ from ollama_engine.tokenizer import Tokenizer, from_metadata
 
 from . import (  # noqa: F401 - importing an architecture registers it
     bert,
+    deepseek2,
     gemma2,
     gemma3,
     gptoss,

@@ -5,8 +5,10 @@ sigmoid, or are kept raw and softmaxed over the chosen experts only), the n_used
 experts (descending, so the experts' outputs are summed in llama.cpp's order), their probabilities
 are optionally normalised to sum to 1 and scaled, and each chosen expert's gated FFN runs through
 ggml_mul_mat_id on the stacked expert matrices (n_embd, n_ff, n_expert). Llama 4 weighs each chosen
-expert's input instead of its output (Routing.weight_before_ffn). Shared experts are plain FFNs that the
-models add themselves. The expert weights are ordinary layer tensors (blk.N.ffn_*_exps), so the memory
+expert's input instead of its output (Routing.weight_before_ffn). DeepSeek V3 adds a per-expert bias
+(exp_probs_b) to the probabilities that pick the experts, not to their weights, and may first keep only
+the expert groups whose two best experts score highest (Routing.groups). Shared experts are plain FFNs
+that the models add themselves. The expert weights are ordinary layer tensors (blk.N.ffn_*_exps), so the memory
 report counts them with their layer.
 """
 
@@ -42,6 +44,9 @@ class Experts:
     up_bias: Tensor | None = weight("ffn_up_exps.bias", optional=True)
     down: Tensor = weight("ffn_down_exps.weight")
     down_bias: Tensor | None = weight("ffn_down_exps.bias", optional=True)
+    # DeepSeek V3's; last and defaulted, so that Experts built by hand (tests) may leave it out
+    selection_bias: Tensor | None = dataclasses.field(
+        default=None, metadata={"gguf": "exp_probs_b.bias", "optional": True})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +57,8 @@ class Routing:
     normalize: bool  # make the chosen experts' weights sum to 1
     scale: float = 1.0  # expert_weights_scale; 0 and 1 leave the weights as they are
     weight_before_ffn: bool = False  # Llama 4: pick by raw logit, weigh each expert's input, not its output
+    groups: int = 1  # expert_group_count: > 1 picks only from the groups_used best groups of experts
+    groups_used: int = 0
 
     @classmethod
     def from_config(cls, config: Config, gating: Gating, normalize: bool, scale: float = 1.0,
@@ -60,7 +67,13 @@ class Routing:
         n_used = require_uint(config, "expert_used_count")
         if not 0 < n_used <= n_expert:
             raise ModelError(f"{config.full_key('expert_used_count')} {n_used} must be in 1..expert_count {n_expert}")
-        return cls(n_expert, n_used, gating, normalize, scale, weight_before_ffn)
+        groups = config.get_uint("expert_group_count", 0)
+        groups_used = config.get_uint("expert_group_used_count", 0)
+        if groups > 1 and (n_expert % groups or n_expert // groups < 2 or not 0 < groups_used <= groups
+                           or groups_used * (n_expert // groups) < n_used):
+            raise ModelError(f"{config.full_key('expert_group_count')} {groups} (used {groups_used}) does not "
+                             f"split expert_count {n_expert} into groups of 2 or more holding {n_used} used experts")
+        return cls(n_expert, n_used, gating, normalize, scale, weight_before_ffn, max(groups, 1), groups_used)
 
 
 def bind_experts(backend: Backend, layer: int, routing: Routing, n_embd: int) -> Experts:
@@ -69,7 +82,8 @@ def bind_experts(backend: Backend, layer: int, routing: Routing, n_embd: int) ->
     experts = bind(Experts, backend, f"blk.{layer}.")
     n_ff, e = (experts.gate.shape + (-1,))[1], routing.n_expert
     expected = {"router": (n_embd, e), "router_bias": (e,), "gate": (n_embd, n_ff, e), "gate_bias": (n_ff, e),
-                "up": (n_embd, n_ff, e), "up_bias": (n_ff, e), "down": (n_ff, n_embd, e), "down_bias": (n_embd, e)}
+                "up": (n_embd, n_ff, e), "up_bias": (n_ff, e), "down": (n_ff, n_embd, e), "down_bias": (n_embd, e),
+                "selection_bias": (e,)}
     for field in dataclasses.fields(Experts):
         tensor = getattr(experts, field.name)
         if tensor is not None and tensor.shape != expected[field.name]:
@@ -97,6 +111,10 @@ def moe(x: Tensor, experts: Experts, routing: Routing, layer: int, activation: A
         probs = logits
     probs.set_name(f"ffn_moe_probs-{layer}")
     selection = logits if r.weight_before_ffn else probs  # Llama 4 applies the sigmoid after picking
+    if experts.selection_bias is not None:  # picks by biased probabilities; the weights stay unbiased
+        selection = probs.add(experts.selection_bias).set_name(f"ffn_moe_probs_biased-{layer}")
+    if r.groups > 1:
+        selection = _best_groups(selection, r, layer)
     selected = selection.argsort_top_k(r.n_used).set_name(f"ffn_moe_topk-{layer}")  # (n_used, n), I32
     weights = probs.reshape(1, r.n_expert, n).rows(selected).set_name(f"ffn_moe_weights-{layer}")  # (1, n_used, n)
     if r.gating == Gating.SOFTMAX_WEIGHT:
@@ -128,6 +146,20 @@ def moe(x: Tensor, experts: Experts, routing: Routing, layer: int, activation: A
         total = part if total is None else total.add(part)
     assert total is not None
     return (total.contiguous() if r.n_used == 1 else total).set_name(f"ffn_moe_out-{layer}")
+
+
+def _best_groups(selection: Tensor, r: Routing, layer: int) -> Tensor:
+    """selection (n_expert, n) with every expert outside the groups_used best groups at -inf; a group
+    scores the sum of its two best experts (DeepSeek V3's group-limited routing, as llama.cpp)."""
+    n = selection.ne[1]
+    per = r.n_expert // r.groups
+    grouped = selection.reshape(per, r.groups, n)
+    best_two = grouped.argsort_top_k(2).contiguous().reshape(2, r.groups * n)
+    scores = grouped.reshape(1, per, r.groups * n).rows(best_two).reshape(2, r.groups, n)
+    scores = scores.sum_rows().reshape(r.groups, n)
+    chosen = scores.argsort_top_k(r.groups_used).set_name(f"ffn_moe_group_topk-{layer}")  # (groups_used, n)
+    masked = grouped.scale(0.0, float("-inf")).set_rows(grouped.rows(chosen), chosen)
+    return masked.reshape(r.n_expert, n).set_name(f"ffn_moe_probs_masked-{layer}")
 
 
 def _biased(x: Tensor, bias: Tensor | None, selected: Tensor, name: str) -> Tensor:

@@ -30,12 +30,12 @@ from ollama_engine.fs.gguf_file import GGUFFile
 
 ARCHITECTURES = (
     "llama", "qwen2", "qwen3", "bert", "gemma2", "gemma3", "qwen3moe", "nomic-bert", "phi3", "olmo2", "mistral3",
-    "gpt-oss", "llama4",
+    "gpt-oss", "llama4", "deepseek2",
     "qwen2moe", "nomic-bert-moe",
 )
 _ROPE_ARCHITECTURES = (
     "llama", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3moe", "nomic-bert", "phi3", "olmo2", "mistral3",
-    "gpt-oss", "llama4",
+    "gpt-oss", "llama4", "deepseek2",
     "qwen2moe", "nomic-bert-moe",
 )
 _POST_NORM_ARCHITECTURES = ("gemma2", "gemma3", "olmo2")  # olmo2: post-norms only, q/k norms over all heads
@@ -53,6 +53,25 @@ WEIGHT_TYPES = {
 }
 
 _CHUNK_ELEMENTS = 1 << 24  # large matrices are generated and quantized this many elements at a time
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    """deepseek2's attention and mixture options (ModelSpec.head_dim is its rotary part)."""
+
+    kv_lora_rank: int = 64  # the compressed latent the cache stores
+    q_lora_rank: int = 0  # > 0: a low-rank query (attn_q_a, attn_q_a_norm, attn_q_b); 0: attn_q
+    nope: int = 32  # a head's query/key features without RoPE
+    v_head: int = 32
+    kv_b: bool = False  # older conversions: one attn_kv_b, no *_length_mla keys, multi-head keys
+    leading_dense: int = 1  # leading_dense_block_count
+    n_shared: int = 1  # shared experts, each n_ff_exp wide
+    gating: int = 1  # expert_gating_func: 1 softmax, 2 sigmoid
+    weights_norm: bool = False
+    weights_scale: float = 1.0
+    selection_bias: bool = False  # DeepSeek V3's exp_probs_b
+    groups: int = 0  # expert_group_count and expert_group_used_count (0: none written)
+    groups_used: int = 0
 
 
 @dataclass(frozen=True)
@@ -96,6 +115,7 @@ class ModelSpec:
     attn_temperature_scale: float | None = None  # attention.temperature_scale (mistral3, Llama 4's scaling)
     layout: str = "llama.cpp"  # gpt-oss: "ollama" (Ollama's converter: architecture "gptoss", its tensor names,
     # no rope.scaling.type) or "ollama-qkv" (and q, k, v fused, as it converts OpenAI's original checkpoint)
+    mla: MLASpec | None = None  # deepseek2 only
     name: str = "synthetic"
 
     @property
@@ -373,6 +393,31 @@ PRESETS: dict[str, ModelSpec] = {
         attn_temperature_scale=0.1,
         name="tiny-mistral3",
     ),
+    # deepseek2 as DeepSeek V3: low-rank query, one dense layer then mixtures with a shared expert, sigmoid
+    # routing with a selection bias in expert groups, YaRN from 16 positions with mscale_all_dim 0.707
+    "tiny-deepseek2": ModelSpec(
+        arch="deepseek2",
+        n_layer=3,
+        n_embd=64,
+        n_head=4,
+        n_head_kv=1,
+        n_ff=128,
+        vocab="llama-bpe",
+        head_dim=32,
+        context_length=512,
+        eps=1e-6,
+        tied_embeddings=False,
+        n_expert=8,
+        n_expert_used=2,
+        n_ff_exp=64,
+        original_context=16,
+        rope_scaling_type="yarn",
+        rope_scaling_factor=4.0,
+        yarn_log_mul=0.0707,
+        mla=MLASpec(q_lora_rank=32, gating=2, weights_norm=True, weights_scale=2.5, selection_bias=True, groups=4,
+                    groups_used=2),
+        name="tiny-deepseek2",
+    ),
     "smollm2-135m": ModelSpec(
         arch="llama",
         n_layer=30,
@@ -503,6 +548,10 @@ def _check(spec: ModelSpec) -> None:
     if spec.arch == "nomic-bert-moe" and (spec.moe_every < 1 or spec.n_ff_exp != spec.n_ff):
         raise ValueError(f"{spec.name}: nomic-bert-moe needs moe_every >= 1 and experts as wide as the FFN "
                          "(n_ff_exp == n_ff: llama.cpp sizes them by feed_forward_length)")
+    if (spec.arch == "deepseek2") != (spec.mla is not None):
+        raise ValueError(f"{spec.name}: mla options are deepseek2's, and deepseek2 needs them")
+    if spec.mla is not None and spec.n_head_kv != (spec.n_head if spec.mla.kv_b else 1):
+        raise ValueError(f"{spec.name}: deepseek2 needs n_head_kv 1 (n_head with kv_b)")
     mixture = spec.arch in _MOE_ARCHITECTURES or spec.n_expert
     if mixture and not (0 < spec.n_expert_used <= spec.n_expert and spec.n_ff_exp > 0):
         raise ValueError(f"{spec.name}: a mixture of experts needs 0 < n_expert_used <= n_expert and n_ff_exp > 0")
@@ -568,6 +617,9 @@ def _tensor_plan(spec: ModelSpec, n_vocab: int, qtype: GGMLQuantizationType) -> 
         yield tensor(MODEL_TENSOR.ROPE_FREQS, "weight", (spec.n_rot // 2,), "rope_freqs")
     if spec.arch == "gpt-oss":
         yield from _gpt_oss_tensors(tensor, spec)
+        return
+    if spec.arch == "deepseek2":
+        yield from _deepseek2_tensors(tensor, spec)
         return
     if spec.arch == "phi3":
         yield from _phi3_tensors(tensor, spec)
@@ -702,6 +754,66 @@ def _ollama_gpt_oss(tensors: list[_Tensor], fuse_qkv: bool) -> Iterator[_Tensor]
             yield dataclasses.replace(t, name=name, parts=(t,))  # data seeded by the llama.cpp name
 
 
+def _deepseek2_tensors(tensor, spec: ModelSpec) -> Iterator[_Tensor]:
+    """deepseek2's layers: MLA attention (low-rank or direct query; attn_k_b/attn_v_b, or attn_kv_b), dense
+    SwiGLU layers first, then mixtures with shared experts and optionally a selection bias."""
+    mla, n_embd, rope = spec.mla, spec.n_embd, spec.n_rot
+    n_head, k_head = spec.n_head, mla.nope + rope
+    shared = spec.n_ff_exp * mla.n_shared
+    for i in range(spec.n_layer):
+        yield tensor(MODEL_TENSOR.ATTN_NORM, "weight", (n_embd,), "norm", i)
+        if mla.q_lora_rank:
+            yield tensor(MODEL_TENSOR.ATTN_Q_A, "weight", (n_embd, mla.q_lora_rank), "matrix", i)
+            yield tensor(MODEL_TENSOR.ATTN_Q_A_NORM, "weight", (mla.q_lora_rank,), "norm", i)
+            yield tensor(MODEL_TENSOR.ATTN_Q_B, "weight", (mla.q_lora_rank, n_head * k_head), "matrix", i)
+        else:
+            yield tensor(MODEL_TENSOR.ATTN_Q, "weight", (n_embd, n_head * k_head), "matrix", i)
+        yield tensor(MODEL_TENSOR.ATTN_KV_A_MQA, "weight", (n_embd, mla.kv_lora_rank + rope), "matrix", i)
+        yield tensor(MODEL_TENSOR.ATTN_KV_A_NORM, "weight", (mla.kv_lora_rank,), "norm", i)
+        if mla.kv_b:
+            yield tensor(MODEL_TENSOR.ATTN_KV_B, "weight", (mla.kv_lora_rank, n_head * (mla.nope + mla.v_head)),
+                         "matrix", i)
+        else:
+            yield tensor(MODEL_TENSOR.ATTN_K_B, "weight", (mla.nope, mla.kv_lora_rank, n_head), "matrix", i)
+            yield tensor(MODEL_TENSOR.ATTN_V_B, "weight", (mla.kv_lora_rank, mla.v_head, n_head), "matrix", i)
+        yield tensor(MODEL_TENSOR.ATTN_OUT, "weight", (n_head * mla.v_head, n_embd), "matrix", i)
+        yield tensor(MODEL_TENSOR.FFN_NORM, "weight", (n_embd,), "norm", i)
+        if i < mla.leading_dense:
+            yield tensor(MODEL_TENSOR.FFN_GATE, "weight", (n_embd, spec.n_ff), "matrix", i)
+            yield tensor(MODEL_TENSOR.FFN_DOWN, "weight", (spec.n_ff, n_embd), "matrix", i)
+            yield tensor(MODEL_TENSOR.FFN_UP, "weight", (n_embd, spec.n_ff), "matrix", i)
+            continue
+        yield from _expert_tensors(tensor, spec, i)
+        if mla.selection_bias:
+            yield tensor(MODEL_TENSOR.FFN_EXP_PROBS_B, "bias", (spec.n_expert,), "bias", i)
+        yield tensor(MODEL_TENSOR.FFN_GATE_SHEXP, "weight", (n_embd, shared), "matrix", i)
+        yield tensor(MODEL_TENSOR.FFN_DOWN_SHEXP, "weight", (shared, n_embd), "matrix", i)
+        yield tensor(MODEL_TENSOR.FFN_UP_SHEXP, "weight", (n_embd, shared), "matrix", i)
+
+
+def _add_mla_hparams(writer: gguf.GGUFWriter, spec: ModelSpec) -> None:
+    """deepseek2's keys as llama.cpp's converter writes them (key/value lengths: the cached latent's)."""
+    mla = spec.mla
+    writer.add_leading_dense_block_count(mla.leading_dense)
+    writer.add_q_lora_rank(mla.q_lora_rank)  # 0 for a direct query: llama.cpp requires the key (V2-Lite aside)
+    writer.add_kv_lora_rank(mla.kv_lora_rank)
+    if mla.kv_b:
+        writer.add_key_length(mla.nope + spec.n_rot)
+        writer.add_value_length(mla.v_head)
+    else:
+        writer.add_key_length(mla.kv_lora_rank + spec.n_rot)
+        writer.add_value_length(mla.kv_lora_rank)
+        writer.add_key_length_mla(mla.nope + spec.n_rot)
+        writer.add_value_length_mla(mla.v_head)
+    writer.add_expert_shared_count(mla.n_shared)
+    writer.add_expert_weights_scale(mla.weights_scale)
+    writer.add_expert_weights_norm(mla.weights_norm)
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType(mla.gating))
+    if mla.groups:
+        writer.add_expert_group_count(mla.groups)
+        writer.add_expert_group_used_count(mla.groups_used)
+
+
 def _expert_tensors(tensor, spec: ModelSpec, i: int) -> Iterator[_Tensor]:
     """A layer's router (kept F32, as llama.cpp's quantizer leaves it) and its experts stacked in 3-D."""
     n_embd, n_ff, n_expert = spec.n_embd, spec.n_ff_exp, spec.n_expert
@@ -745,7 +857,9 @@ def _add_hparams(writer: gguf.GGUFWriter, spec: ModelSpec, n_vocab: int, file_ty
             writer.add_expert_shared_feed_forward_length(spec.n_ff)
     writer.add_rope_freq_base(spec.rope_base)
     writer.add_rope_dimension_count(spec.n_rot)
-    if spec.n_rot != spec.n_embd // spec.n_head:
+    if spec.mla is not None:
+        _add_mla_hparams(writer, spec)
+    elif spec.n_rot != spec.n_embd // spec.n_head:
         writer.add_key_length(spec.n_rot)
         writer.add_value_length(spec.n_rot)
     for key, value in (("attention.sliding_window", spec.sliding_window),

@@ -1,0 +1,240 @@
+"""deepseek2 (DeepSeek-V2/V3, multi-head latent attention) against llama.cpp, its cache, memory and bad files.
+
+Three tiny synthetic variants (fs/synthetic.py's tiny-deepseek2 and two overrides):
+- v3: low-rank query, attn_k_b/attn_v_b (the latent cache), sigmoid routing with a selection bias in
+  expert groups, normalised and scaled weights, YaRN with yarn_log_multiplier;
+- lite: V2-Lite's direct query (attn_q), softmax routing, no YaRN;
+- kv_b: an older conversion's single attn_kv_b (llama.cpp's non-MLA path: multi-head keys and values).
+Each has one dense layer, then mixtures with a shared expert. The schedules use two prompts of one token
+count (see compare_schedule): llama.cpp splits a batch of unequal sequences, and this model's F32 and F16
+caches then round its last prompt token visibly differently from a one-graph prefill (measured: 1e-3 in
+the logprobs against llama.cpp's own unsplit result).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from llama_reference import Reference, compare_schedule
+
+from ollama_engine.fs.synthetic import MLASpec, write_synthetic
+from ollama_engine.kvcache import Batch, cache_dtype
+from ollama_engine.models import ModelError, load_model
+from ollama_engine.runner.allocate import LoadParams, open_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+
+import fuzz_gguf  # noqa: E402
+
+TOLERANCE = 1e-4  # largest logprob difference; measured: 0 to 1e-6, see each test
+PROMPTS = ("In a small village by the sea, there lived", "Once upon a time there was a king who ruled")  # 11 each
+VARIANTS = {
+    "v3": {},
+    "lite": {"mla": MLASpec(), "rope_scaling_type": None, "rope_scaling_factor": None, "yarn_log_mul": None,
+             "original_context": None},
+    "kv_b": {"mla": MLASpec(q_lora_rank=32, kv_b=True), "n_head_kv": 4},
+}
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory: pytest.TempPathFactory):
+    folder = tmp_path_factory.mktemp("deepseek2")
+    written: dict[tuple[str, str], Path] = {}
+
+    def write(variant: str, weight_type: str = "F32") -> Path:
+        if (variant, weight_type) not in written:
+            written[variant, weight_type] = write_synthetic(folder / f"{variant}-{weight_type}.gguf", "deepseek2",
+                                                            weight_type=weight_type, **VARIANTS[variant])
+        return written[variant, weight_type]
+
+    return write
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize(("variant", "weight_type", "flash", "cache_type"), [
+    ("v3", "F32", False, "f16"),  # measured 8e-7
+    ("v3", "F16", True, "f16"),  # 5e-7
+    ("v3", "Q8_0", False, "f16"),  # 0
+    ("v3", "Q8_0", True, "q8_0"),  # the latent cache quantized (llama.cpp rotates no MLA cache)
+    ("lite", "F16", False, "f16"),
+    ("lite", "F32", True, "f16"),
+    ("kv_b", "F16", False, "f16"),
+    ("kv_b", "Q8_0", True, "f16"),
+])
+def test_matches_llama_cpp(synthetic, variant, weight_type, flash, cache_type):
+    """Two sequences prefilled in one batch, then six batches decoding a token for each: every logprob
+    within the tolerance and the same greedy tokens as llama.cpp at every step."""
+    worst = compare_schedule(synthetic(variant, weight_type), flash=flash, cache_type=cache_type, sequences=2,
+                             steps=6, tolerance=TOLERANCE, threads=1, prompts=PROMPTS)
+    assert worst < TOLERANCE
+
+
+@pytest.mark.parametrize("flash", [False, True])
+def test_batched_equals_solo(synthetic, flash):
+    """A sequence's logits do not depend on another sequence sharing its batches (prefill and decode)."""
+    model = load_model(synthetic("v3", "Q8_0"), num_threads=1, flash_attention=flash)
+    try:
+        model.backend.load()
+        model.cache.init(model.backend, cache_dtype("f16"), 2, 256, 32)
+        texts = [model.tokenizer.encode(p, add_special=True) for p in PROMPTS]
+
+        def run(seqs: list[int], steps: int = 4) -> dict[int, list[np.ndarray]]:
+            for s in seqs:
+                model.cache.remove(s, 0)
+            tokens = {s: list(texts[s]) for s in seqs}
+            batch = Batch(positions=[p for s in seqs for p in range(len(texts[s]))],
+                          sequences=[s for s in seqs for _ in texts[s]],
+                          outputs=np.cumsum([len(texts[s]) for s in seqs]) - 1,
+                          tokens=[t for s in seqs for t in texts[s]])
+            logits: dict[int, list[np.ndarray]] = {s: [] for s in seqs}
+            for _ in range(steps):
+                rows = model.graphs.compute(batch)
+                for s, row in zip(seqs, rows, strict=True):
+                    logits[s].append(row)
+                    tokens[s].append(int(row.argmax()))
+                batch = Batch(positions=[len(tokens[s]) - 1 for s in seqs], sequences=seqs,
+                              outputs=range(len(seqs)), tokens=[tokens[s][-1] for s in seqs])
+            return logits
+
+        together = run([0, 1])
+        for s in (0, 1):
+            alone = run([s])[s]
+            for step, (a, b) in enumerate(zip(alone, together[s], strict=True)):
+                np.testing.assert_array_equal(a, b, err_msg=f"sequence {s}, step {step}")
+    finally:
+        model.close()
+
+
+def test_latent_cache_stores_one_key_per_token(synthetic):
+    """The MLA cache holds, per token and layer, one key of kv_lora_rank + rope dims and no value."""
+    model = load_model(synthetic("v3"), num_threads=1)
+    try:
+        model.cache.init(model.backend, cache_dtype("f16"), 1, 256, 16)
+        model.backend.load()
+        model.graphs.compute(Batch(positions=range(4), sequences=[0] * 4, outputs=[3], tokens=[1, 2, 3, 4]))
+        o = model.options
+        keys, values = model.cache._keys, model.cache._values
+        assert len(keys) == o.block_count and all(v is None for v in values.values())
+        assert all(k.shape == (o.kv_lora_rank + o.rope_dims, 1, model.cache.cells) for k in keys.values())
+    finally:
+        model.close()
+
+
+CELL_METADATA = 12  # llama.cpp's state also saves each cell's position, sequence count and sequence id
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("variant", ["v3", "kv_b"])
+def test_kv_bytes_per_token_equal_llama_cpp(synthetic, variant):
+    """Our cache's bytes per token equal llama.cpp's (its saved state grows by its K and V rows per token):
+    (kv_lora_rank + rope dims) * 2 bytes per layer with MLA, keys and values of every head without."""
+    path = synthetic(variant)
+    params = LoadParams(parallel=1, batch_size=32, kv_size=256, num_threads=1)
+    loaded = open_model(str(path), params, allocate=True)
+    try:
+        ours = sum(loaded.memory.cpu.cache) // loaded.model.cache.cells
+        o = loaded.model.options
+    finally:
+        loaded.close()
+    reference = Reference(path, n_ctx=256, n_batch=32, threads=1)
+    try:
+        sizes = []
+        for n in (8, 24):
+            reference.lib.llama_memory_seq_rm(reference.lib.llama_get_memory(reference.ctx), 0, -1, -1)
+            reference.decode(list(range(100, 100 + n)), list(range(n)), [0] * n, [n - 1])
+            sizes.append(reference.lib.llama_state_seq_get_size(reference.ctx, ctypes.c_int32(0)))
+        theirs = (sizes[1] - sizes[0]) // 16 - CELL_METADATA
+    finally:
+        reference.close()
+    expected = (o.kv_lora_rank + o.rope_dims) * 2 if o.mla else o.heads * (o.k_head + o.v_head) * 2
+    assert ours == theirs == expected * o.block_count
+
+
+def test_fit_equals_alloc_and_inference_allocates_nothing_more(synthetic):
+    """fit measured exactly what alloc allocated, and the worst-case graphs cover a full prompt batch and
+    a decode step of every sequence."""
+    path = str(synthetic("v3"))
+    params = LoadParams(parallel=2, batch_size=32, kv_size=256, num_threads=1)
+    fit = open_model(path, params, allocate=False)
+    fit_report = fit.memory.to_json()
+    fit.close()
+    loaded = open_model(path, params, allocate=True)
+    try:
+        assert loaded.memory.to_json() == fit_report
+        report = loaded.memory
+        before = loaded.model.backend.allocated()["CPU"]
+        assert before == report.input_weights + report.cpu.size()
+        loaded.model.backend.load()
+        graphs = loaded.model.graphs
+        graphs.compute(Batch(positions=range(32), sequences=[0] * 32, outputs=[31], tokens=np.arange(32) + 100))
+        graphs.compute(Batch(positions=range(32), sequences=[1] * 32, outputs=[31], tokens=np.arange(32) + 200))
+        for step in range(3):
+            graphs.compute(Batch(positions=[32 + step] * 2, sequences=[0, 1], outputs=[0, 1], tokens=[7, 8]))
+        assert loaded.model.backend.allocated()["CPU"] == before
+        assert loaded.memory.to_json() == fit_report
+    finally:
+        loaded.close()
+
+
+def test_shift_moves_only_the_rotary_part(synthetic):
+    """Removing positions re-ropes the later keys' last rope dims and leaves their latent part as it was:
+    layer 0's keys (which depend on their token alone) equal a fresh prefill's at the new positions."""
+    model = load_model(synthetic("v3"), num_threads=1)
+    try:
+        model.backend.load()
+        model.cache.init(model.backend, cache_dtype("f32"), 1, 256, 32)
+        o, tokens = model.options, model.tokenizer.encode(PROMPTS[0], add_special=True)
+        n = len(tokens)
+        model.graphs.compute(Batch(positions=range(n), sequences=[0] * n, outputs=[n - 1], tokens=tokens))
+        before = [k.numpy()[4:n, 0] for k in model.cache._keys.values()]  # numpy order: (cells, heads, dims)
+        model.cache.remove(0, 2, 4)  # positions 4.. move down to 2..
+        after = [k.numpy()[4:n, 0] for k in model.cache._keys.values()]
+        model.cache.remove(0, 0)
+        kept = tokens[:2] + tokens[4:]
+        model.graphs.compute(Batch(positions=range(n - 2), sequences=[0] * (n - 2), outputs=[n - 3], tokens=kept))
+        fresh = model.cache._keys[0].numpy()[2 : n - 2, 0]
+    finally:
+        model.close()
+    for old, new in zip(before, after, strict=True):
+        np.testing.assert_array_equal(new[:, : o.kv_lora_rank], old[:, : o.kv_lora_rank])
+        assert np.abs(new[:, o.kv_lora_rank :] - old[:, o.kv_lora_rank :]).max() > 0.1
+    np.testing.assert_allclose(after[0], fresh, atol=1e-5)
+
+
+BAD = {
+    "kv_lora_rank missing": ("deepseek2.attention.kv_lora_rank", None, "kv_lora_rank"),
+    "kv_lora_rank off by 32": ("deepseek2.attention.kv_lora_rank", 32, "MLA needs attention.key_length"),
+    "key_length_mla alone": ("deepseek2.attention.value_length_mla", None, "must be set together"),
+    "no features without RoPE": ("deepseek2.attention.key_length_mla", 32, "must exceed rope.dimension_count"),
+    "q_b of the wrong width": ("blk.1.attn_q_b.weight", [32, 192], "blk.1.attn_q_b.weight has shape [32, 192]"),
+    "k_b for 2 heads": ("blk.2.attn_k_b.weight", [32, 64, 2], "expected [32, 64, 4]"),
+    "shared expert missing": ("blk.2.ffn_up_shexp.weight", None, "missing required tensor blk.2.ffn_up_shexp"),
+    "selection bias of 4": ("blk.1.exp_probs_b.bias", [4], "expected [8]"),
+    "gating 4": ("deepseek2.expert_gating_func", 4, "expert_gating_func 4"),
+    "groups of 3": ("deepseek2.expert_group_count", 3, "expert_group_count 3"),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_files_are_refused_with_a_model_error(synthetic, tmp_path, case):
+    """Inconsistent hyper-parameters or tensor shapes raise ModelError at load, before any ggml op could abort."""
+    name, value, message = BAD[case]
+    model = fuzz_gguf.Model.read(synthetic("v3"))
+    if name.startswith("blk."):
+        if value is None:
+            model.tensors = [t for t in model.tensors if t.name != name]
+        else:
+            next(t for t in model.tensors if t.name == name).shape = value
+    elif value is None:
+        del model.metadata[name]
+    else:
+        model.metadata[name] = (4, None, value)  # UINT32
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(model.to_bytes())
+    with pytest.raises(ModelError, match=re.escape(message)):
+        load_model(path).close()
