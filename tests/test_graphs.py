@@ -258,3 +258,33 @@ def platform_lacks_collapse() -> bool:
 
     major, minor = (int(x) for x in platform.release().split(".")[:2])
     return (major, minor) < (6, 1)
+
+
+def test_weights_move_onto_huge_pages_only_while_no_graph_computes(tmp_path, monkeypatch):
+    """The move runs beside requests: it waits until no graph has been computed for a while, and close()
+    stops it even while it waits."""
+    import time
+
+    from ollama_engine.ggml import backend as ggml_backend
+
+    monkeypatch.setenv("OLLAMA_ENGINE_HUGE_PAGES", "collapse")
+    moved: list[int] = []
+    monkeypatch.setattr(ggml_backend, "collapse_huge_pages", lambda address, size: moved.append(address) or True)
+    path = write_synthetic(tmp_path / "q4.gguf", "llama", weight_type="Q4_0", n_embd=1024, n_ff=4096, n_head=8,
+                           n_head_kv=8)
+    model = load_model(path, num_threads=THREADS)
+    try:
+        model.backend.last_compute = time.monotonic() + 3600  # as if a graph had just been computed, for an hour
+        model.backend.load()
+        time.sleep(0.3)
+        assert moved == []
+        model.backend.last_compute = 0.0
+        deadline = time.monotonic() + 10
+        while not moved and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert moved
+        model.backend.last_compute = time.monotonic() + 3600
+    finally:
+        started = time.monotonic()
+        model.close()
+        assert time.monotonic() - started < 1.0

@@ -174,7 +174,7 @@ def place_tensor(buffer, tensor, offset: int = 0) -> None:
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14  # Linux
 MADV_COLLAPSE = 25  # Linux 6.1
-COLLAPSE_STEP = 32 * HUGE_PAGE  # how much one madvise(MADV_COLLAPSE) call moves: the unit a stop waits for
+COLLAPSE_STEP = HUGE_PAGE  # what one madvise(MADV_COLLAPSE) moves: a graph compute waits for at most one
 
 
 def cpu_cache_line_buffer_type():
@@ -227,26 +227,25 @@ def advise_huge_pages(buffer) -> bool:
     return _libc().madvise(ctypes.c_void_p(span[0]), ctypes.c_size_t(span[1] - span[0]), MADV_HUGEPAGE) == 0
 
 
-def collapse_huge_pages(buffer, stopped: Callable[[], bool]) -> bool:
-    """Move a written buffer's pages onto 2 MiB pages (MADV_COLLAPSE), a step at a time until `stopped()`.
-
-    Faulting a fresh buffer in on huge pages costs the load up to 4 ms of compaction per page (1.8 s of
-    system time for a 1B model); collapsing afterwards pays it in the caller's thread, off the load, and
-    the GIL is released meanwhile (ctypes). False where the kernel cannot (before 6.1: EINVAL; no huge
-    page to be had: ENOMEM, EAGAIN), leaving the pages as they are.
-    """
+def huge_page_steps(buffer) -> list[tuple[int, int]]:
+    """The buffer's whole 2 MiB pages as (address, size) pieces of COLLAPSE_STEP, for collapse_huge_pages."""
     span = _huge_page_span(buffer)
     if span is None:
-        return False
-    start, stop = span
-    for step in range(start, stop, COLLAPSE_STEP):
-        if stopped():
-            return False
-        size = min(COLLAPSE_STEP, stop - step)
-        if _libc().madvise(ctypes.c_void_p(step), ctypes.c_size_t(size), MADV_COLLAPSE) != 0:
-            _log.debug("MADV_COLLAPSE failed: %s", os.strerror(ctypes.get_errno()))
-            return False
-    return True
+        return []
+    return [(start, min(COLLAPSE_STEP, span[1] - start)) for start in range(span[0], span[1], COLLAPSE_STEP)]
+
+
+def collapse_huge_pages(address: int, size: int) -> bool:
+    """Move written pages onto 2 MiB pages (MADV_COLLAPSE; the GIL is released meanwhile).
+
+    Faulting a fresh buffer in on huge pages costs the load up to 4 ms of compaction per page (1.8 s of
+    system time for a 1B model); collapsing once loaded moves that cost off the time to ready. False
+    where the kernel cannot (before 6.1: EINVAL; no huge page to be had: ENOMEM, EAGAIN).
+    """
+    if _libc().madvise(ctypes.c_void_p(address), ctypes.c_size_t(size), MADV_COLLAPSE) == 0:
+        return True
+    _log.debug("MADV_COLLAPSE failed: %s", os.strerror(ctypes.get_errno()))
+    return False
 
 
 @functools.cache

@@ -202,7 +202,10 @@ class Context:
             for handle in self._stored:
                 ggml.write_bytes(handle, self._inputs[handle])  # sizes were checked when the values were given
             started = time.perf_counter()
-            scheduler.compute(graph)
+            try:
+                scheduler.compute(graph)
+            finally:
+                backend.last_compute = time.monotonic()
             backend.compute_seconds += time.perf_counter() - started
 
     def reserve(self, *outputs: Tensor) -> None:
