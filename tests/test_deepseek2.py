@@ -160,6 +160,24 @@ def test_latent_cache_stores_one_key_per_token(synthetic):
         model.close()
 
 
+def test_repacked_per_head_matrices_are_refused_not_aborted(synthetic):
+    """Where the CPU repacks Q4_0 weights, attn_k_b/attn_v_b (multiplied per head) would reach a repacked
+    buffer no kernel multiplies that way (a ggml abort): the model refuses instead; without repacking it runs."""
+    path = synthetic("v3", "Q4_0")
+    try:
+        load_model(path, allocate=False).close()
+    except ModelError as err:
+        assert "attn_k_b.weight is stored in the CPU's repacked layout" in str(err)
+    model = load_model(path, num_threads=1, repack_weights=False)
+    try:
+        model.backend.load()
+        model.cache.init(model.backend, cache_dtype("f16"), 1, 256, 16)
+        logits = model.graphs.compute(Batch(positions=range(4), sequences=[0] * 4, outputs=[3], tokens=[1, 2, 3, 4]))
+        assert np.isfinite(logits).all()
+    finally:
+        model.close()
+
+
 CELL_METADATA = 12  # llama.cpp's state also saves each cell's position, sequence count and sequence id
 
 
