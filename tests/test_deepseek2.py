@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from llama_reference import Reference, compare_schedule
 
+from ollama_engine import diff
 from ollama_engine.fs.synthetic import MLASpec, write_synthetic
 from ollama_engine.kvcache import Batch, cache_dtype
 from ollama_engine.ml import Backend
@@ -107,6 +108,18 @@ def test_matches_llama_cpp(synthetic, variant, weight_type, flash, cache_type):
     worst = compare_schedule(synthetic(variant, weight_type), flash=flash, cache_type=cache_type, sequences=2,
                              steps=6, tolerance=TOLERANCE, threads=1, prompts=PROMPTS)
     assert worst < TOLERANCE
+
+
+@pytest.mark.reference
+def test_diff_finds_every_tensor_equal_to_llama_cpps(synthetic):
+    """ollama-engine diff: every tensor named alike (MLA's kv_cmpr, k_pe, q_pe, the routing's masked groups
+    with their -inf, the shared expert) is bitwise llama.cpp's."""
+    result = diff.run_diff(synthetic("v3"), PROMPTS[0], threads=1, generate=2)
+    assert result.first_over is None and not result.departs
+    assert all(t.max_abs == 0 for t in result.tensors), [t for t in result.tensors if t.max_abs != 0]
+    names = {t.name for t in result.tensors}
+    assert {"kv_cmpr-1", "k_pe-1", "q_pe-1", "Qcur-1", "Kcur-1", "kqv_out-1", "ffn_moe_probs_masked-1",
+            "ffn_moe_probs_biased-1", "ffn_shexp-1", "ffn_out-1", "l_out-2", "result_output"} <= names
 
 
 @pytest.mark.parametrize("flash", [False, True])
