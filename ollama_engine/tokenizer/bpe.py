@@ -34,6 +34,21 @@ _DEEPSEEK_LLM = (
 )
 _DEEPSEEK_CODER = (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK, r"\p{N}")
 _FALCON = (r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]")
+_DEEPSEEK3 = (r"\p{N}{1,3}", "[一-龥぀-ゟ゠-ヿ]+",
+              r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+              r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# llama.cpp spells \p{Lu}-like classes as "a letter that is not a-z" (and \p{Ll}-like as not A-Z).
+_UPPER, _LOWER = r"((?=[\p{L}])([^a-z]))", r"((?=[\p{L}])([^A-Z]))"
+_TEKKEN = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*|\p{{N}}"
+           r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GPT4O = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTIONS}?"
+          rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_CONTRACTIONS}?"
+          r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_BLOOM = r" ?[^(\s|.,!?…。，、।۔،)]+"
+_SEED_CODER = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+|\s+(?!\S)"
+               r"|\s+")
+_BAILINGMOE = (r"'(?:[sSdDmMtT]|[lL][lL]|[vV][eE]|[rR][eE])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]|\s+(?!\S)|\s+")
 
 
 @dataclass(frozen=True)
@@ -70,6 +85,18 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "megrez": PreTokenizer((_QWEN2,)),
     "stablelm2": PreTokenizer((_QWEN2,)),
     "qwen35": PreTokenizer((_QWEN35,), clean_spaces=False),
+    **dict.fromkeys(("deepseek-v3", "hunyuan-dense", "joyai-llm", "hy_v4"),
+                    PreTokenizer(_DEEPSEEK3, clean_spaces=False)),
+    **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"),
+                    PreTokenizer((_GPT4O,), clean_spaces=False)),
+    "tekken": PreTokenizer((_TEKKEN,), clean_spaces=False, ignore_merges=True, add_bos=True),
+    **dict.fromkeys(("bloom", "gpt3-finnish"), PreTokenizer((_BLOOM,))),
+    "poro-chat": PreTokenizer((_BLOOM,), clean_spaces=False),
+    "viking": PreTokenizer((_BLOOM, r"\p{N}"), clean_spaces=False),
+    "seed-coder": PreTokenizer((_SEED_CODER,), clean_spaces=False),
+    **dict.fromkeys(("bailingmoe", "bailingmoe2", "llada-moe"), PreTokenizer((_BAILINGMOE,), clean_spaces=False)),
+    **dict.fromkeys(("trillion", "granite-docling"), PreTokenizer((_GPT2,), clean_spaces=False)),
+    **dict.fromkeys(("hunyuan", "solar-open", "grok-2"), PreTokenizer((_QWEN2,), clean_spaces=False)),
 }
 
 
