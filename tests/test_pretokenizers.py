@@ -14,7 +14,7 @@ import gguf
 import pytest
 from test_tokenizer import _random_texts, _reference_detokenize
 
-from ollama_engine.tokenizer import from_gguf
+from ollama_engine.tokenizer import from_gguf, from_metadata, read_tokenizer_metadata
 from ollama_engine.tokenizer.bpe import PRE_TOKENIZERS
 
 CHECKED_BY_VOCAB_FILES = {"", "default", "llama-bpe", "gpt-2", "qwen2", "qwen35", "deepseek-coder", "deepseek-llm",
@@ -93,3 +93,14 @@ def test_pre_tokenizer_matches_llama_cpp(tmp_path: Path, pre: str) -> None:
             assert tok.decode(expected) == detokenized, (pre, text)
     finally:
         llm.close()
+
+
+def test_ollama_gpt_oss_files_split_as_gpt_4o(tmp_path: Path) -> None:
+    """Ollama writes tokenizer.ggml.pre "default" into its gpt-oss files and splits them with o200k's regex."""
+    gpt_4o = from_gguf(_write_vocab(tmp_path, "gpt-4o"))
+    metadata = read_tokenizer_metadata(_write_vocab(tmp_path, "default"))
+    as_llama = from_metadata(metadata)
+    as_ollama_gpt_oss = from_metadata({**metadata, "general.architecture": "gptoss"})
+    for text in TEXTS:
+        assert as_ollama_gpt_oss.encode(text) == gpt_4o.encode(text), text
+    assert any(as_llama.encode(text) != gpt_4o.encode(text) for text in TEXTS)  # the names do differ

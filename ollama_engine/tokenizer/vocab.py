@@ -102,6 +102,8 @@ class Vocabulary:
         self.pre: str = _get(metadata, "tokenizer.ggml.pre", str, "")
         self.general_name: str = _get(metadata, "general.name", str, "")
         self.architecture: str = _get(metadata, "general.architecture", str, "")
+        if self.architecture == "gptoss" and self.pre in ("", "default"):
+            self.pre = "gpt-4o"  # Ollama's own gpt-oss files say "default" and Ollama splits them with o200k's regex
 
         tokens = _as_texts(_get(metadata, "tokenizer.ggml.tokens", list))
         self.tokens: list[str] = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
