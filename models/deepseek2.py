@@ -12,7 +12,9 @@ head per token: key [kv_cmpr, k_pe], value kv_cmpr, which is all the cache store
 its key, Causal(value_in_key=...)); each head's output goes back out through attn_v_b. Older files carry
 one attn_kv_b instead: keys and values are decompressed per head and cached as ordinary multi-head ones.
 The scores are scaled by mscale^2 / sqrt(key_length_mla), mscale following YaRN and
-rope.scaling.yarn_log_multiplier as llama.cpp computes it.
+rope.scaling.yarn_log_multiplier as llama.cpp computes it. Mistral Large 3 (also deepseek2) multiplies each
+query by Llama 4's temperature, 1 + attention.temperature_scale * ln(1 + floor(position /
+attention.temperature_length)).
 
 Feed-forward: the first leading_dense_block_count layers are SwiGLU; the rest a mixture of experts
 (softmax or sigmoid router, DeepSeek V3's selection bias exp_probs_b and expert groups, see moe.py)
@@ -90,6 +92,8 @@ class Options:
     rope_base: float
     rope_scale: float
     kq_scale: float
+    temperature: float  # attention.temperature_scale; 0: none
+    temperature_length: int
 
     @property
     def nope(self) -> int:
@@ -126,8 +130,10 @@ class Options:
             raise ModelError(f"key length {k_head} must exceed rope.dimension_count {rope_dims}; value length "
                              f"{v_head} must be positive")
         leading = config.get_uint("leading_dense_block_count", 0)
-        if config.get_float("attention.temperature_scale", 0.0):
-            raise ModelError("attention.temperature_scale (Mistral Large's query temperature) is not supported")
+        temperature = config.get_float("attention.temperature_scale", 0.0)
+        temperature_length = config.get_uint("attention.temperature_length", 0)
+        if temperature and not temperature_length:
+            raise ModelError("attention.temperature_scale needs a positive attention.temperature_length")
         factor = config.get_float("rope.scaling.factor", 0.0)
         rope_scale = 1.0 / factor if factor else 1.0
         if config.get_string("rope.scaling.type", "") == "none":
@@ -141,7 +147,8 @@ class Options:
             n_ff_exp=require_uint(config, "expert_feed_forward_length") if leading < blocks else 0,
             n_shared=config.get_uint("expert_shared_count", 0),
             rope_base=config.get_float("rope.freq_base", 10000.0), rope_scale=rope_scale,
-            kq_scale=_kq_scale(config, rope_scale, k_head),
+            kq_scale=_kq_scale(config, rope_scale, k_head), temperature=temperature,
+            temperature_length=temperature_length,
         )
 
 
@@ -236,6 +243,15 @@ class DeepSeek2(Model):
                 raise ModelError(f"{source}: tensor blk.{i}.{name}.weight has shape {list(tensor.shape)}, expected "
                                  f"{list(shapes[name])} (from the file's hyper-parameters)")
 
+    def batch_inputs(self, batch: Batch) -> dict[str, np.ndarray]:
+        """The query temperature per position, where the file sets one (as llama.cpp's attn_temp input)."""
+        o = self.options
+        if not o.temperature:
+            return {}
+        intervals = np.floor(np.asarray(batch.positions, dtype=np.float64) / o.temperature_length)
+        scales = np.log(intervals + 1.0) * o.temperature + 1.0
+        return {"attn_scale": scales.astype(np.float32).reshape(-1, 1, 1)}
+
     def rope(self, x: Tensor, positions: Tensor) -> Tensor:
         o = self.options
         return x.rope(positions, o.rope_dims, o.rope_base, o.rope_scale, None, self.rope_options)
@@ -248,7 +264,9 @@ class DeepSeek2(Model):
         rotary = key.view(nope * key.strides[0], (d - nope, heads, cells), strides)
         return key.view(0, (nope, heads, cells), strides).concat(self.rope(rotary, delta), 0)
 
-    def self_attention(self, ctx: Context, layer: Layer, x: Tensor, positions: Tensor, i: int) -> Tensor:
+    def self_attention(
+        self, ctx: Context, layer: Layer, x: Tensor, positions: Tensor, temperature: Tensor | None, i: int,
+    ) -> Tensor:
         """Attention for the normed hidden states x (hidden, n): (v_head * heads, n), before attn_output."""
         o, n = self.options, x.ne[1]
         if o.q_lora_rank:
@@ -266,7 +284,7 @@ class DeepSeek2(Model):
         q_pe = self.rope(q.view(o.nope * q.strides[0], (o.rope_dims, o.heads, n)), positions).set_name(f"q_pe-{i}")
         if o.mla:
             absorbed = layer.attn_k_b.matmul(q_nope.permute(0, 2, 1, 3)).permute(0, 2, 1, 3)  # (kv_lora, heads, n)
-            q = absorbed.concat(q_pe, 0).set_name(f"Qcur-{i}")
+            q = self._temper(absorbed.concat(q_pe, 0).set_name(f"Qcur-{i}"), temperature, i)
             kv = kv.reshape(o.kv_lora_rank, 1, n)
             k = kv.concat(k_pe, 0).set_name(f"Kcur-{i}")
             out = attention(ctx, q, k, kv.set_name(f"Vcur-{i}"), o.kq_scale, self.cache,
@@ -276,10 +294,14 @@ class DeepSeek2(Model):
             size, head = kv.strides[0], (o.nope + o.v_head) * kv.strides[0]
             k_nope = kv.view(0, (o.nope, o.heads, n), (head, head * o.heads))
             v = kv.view(o.nope * size, (o.v_head, o.heads, n), (head, head * o.heads)).contiguous()
-            q = q_nope.concat(q_pe, 0).set_name(f"Qcur-{i}")
+            q = self._temper(q_nope.concat(q_pe, 0).set_name(f"Qcur-{i}"), temperature, i)
             k = k_nope.concat(k_pe.repeat_to(o.rope_dims, o.heads, n), 0).set_name(f"Kcur-{i}")
             out = attention(ctx, q, k, v.set_name(f"Vcur-{i}"), o.kq_scale, self.cache)
         return out.reshape(o.v_head * o.heads, n).set_name(f"kqv_out-{i}")
+
+    @staticmethod
+    def _temper(q: Tensor, temperature: Tensor | None, i: int) -> Tensor:
+        return q if temperature is None else q.mul(temperature).set_name(f"Qcur_attn_temp_scaled-{i}")
 
     def feed_forward(self, layer: Layer, x: Tensor, i: int) -> Tensor:
         if i < self.options.leading_dense:
@@ -296,11 +318,14 @@ class DeepSeek2(Model):
         positions = inputs.from_numpy(batch.positions).set_name("positions")
         h = self.weights.token_embd.rows(inputs.from_numpy(batch.tokens).set_name("tokens")).set_name("embd")
         outputs = inputs.from_numpy(batch.outputs).set_name("outputs") if len(batch.outputs) else None
+        temperature = None
+        for name, values in self.batch_inputs(batch).items():
+            temperature = inputs.from_numpy(values).set_name(name)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             self.cache.set_layer(i)
             x = self.self_attention(ctx, layer, h.rms_norm(layer.attn_norm, o.eps).set_name(f"attn_norm-{i}"),
-                                    positions, i)
+                                    positions, temperature, i)
             if i == last:
                 if outputs is None:
                     return None  # the cache holds the keys; nothing else is wanted

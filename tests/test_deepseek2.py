@@ -4,7 +4,8 @@ Three tiny synthetic variants (fs/synthetic.py's tiny-deepseek2 and two override
 - v3: low-rank query, attn_k_b/attn_v_b (the latent cache), sigmoid routing with a selection bias in
   expert groups, normalised and scaled weights, YaRN with yarn_log_multiplier;
 - lite: V2-Lite's direct query (attn_q), softmax routing, no YaRN;
-- kv_b: an older conversion's single attn_kv_b (llama.cpp's non-MLA path: multi-head keys and values).
+- kv_b: an older conversion's single attn_kv_b (llama.cpp's non-MLA path: multi-head keys and values);
+- temperature: Mistral Large 3's query temperature (reused decode graphs get it rewritten per position).
 Each has one dense layer, then mixtures with a shared expert. The schedules use two prompts of one token
 count (see compare_schedule): llama.cpp splits a batch of unequal sequences, and this model's F32 and F16
 caches then round its last prompt token visibly differently from a one-graph prefill (measured: 1e-3 in
@@ -41,6 +42,8 @@ VARIANTS = {
     "lite": {"mla": MLASpec(), "rope_scaling_type": None, "rope_scaling_factor": None, "yarn_log_mul": None,
              "original_context": None},
     "kv_b": {"mla": MLASpec(q_lora_rank=32, kv_b=True), "n_head_kv": 4},
+    # Mistral Large 3: the query temperature, here changing every 4 positions
+    "temperature": {"mla": MLASpec(q_lora_rank=32, temperature_length=4), "attn_temperature_scale": 0.5},
 }
 
 
@@ -101,6 +104,7 @@ def test_group_routing_with_selection_bias_matches_numpy():
     ("lite", "F32", True, "f16"),
     ("kv_b", "F16", False, "f16"),
     ("kv_b", "Q8_0", True, "f16"),
+    ("temperature", "F16", False, "f16"),
 ])
 def test_matches_llama_cpp(synthetic, variant, weight_type, flash, cache_type):
     """Two sequences prefilled in one batch, then six batches decoding a token for each: every logprob
@@ -282,6 +286,7 @@ BAD = {
     "shared expert missing": ("blk.2.ffn_up_shexp.weight", None, "missing required tensor blk.2.ffn_up_shexp"),
     "selection bias of 4": ("blk.1.exp_probs_b.bias", [4], "expected [8]"),
     "gating 4": ("deepseek2.expert_gating_func", 4, "expert_gating_func 4"),
+    "temperature without a length": ("deepseek2.attention.temperature_scale", 1.0, "temperature_length"),
     "groups of 3": ("deepseek2.expert_group_count", 3, "expert_group_count 3"),
 }
 
@@ -299,7 +304,7 @@ def test_bad_files_are_refused_with_a_model_error(synthetic, tmp_path, case):
     elif value is None:
         del model.metadata[name]
     else:
-        model.metadata[name] = (4, None, value)  # UINT32
+        model.metadata[name] = (6 if isinstance(value, float) else 4, None, value)  # FLOAT32 or UINT32
     path = tmp_path / "bad.gguf"
     path.write_bytes(model.to_bytes())
     with pytest.raises(ModelError, match=re.escape(message)):

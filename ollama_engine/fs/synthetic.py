@@ -72,6 +72,7 @@ class MLASpec:
     selection_bias: bool = False  # DeepSeek V3's exp_probs_b
     groups: int = 0  # expert_group_count and expert_group_used_count (0: none written)
     groups_used: int = 0
+    temperature_length: int = 0  # attention.temperature_length (Mistral Large 3's query temperature)
 
 
 @dataclass(frozen=True)
@@ -812,6 +813,8 @@ def _add_mla_hparams(writer: gguf.GGUFWriter, spec: ModelSpec) -> None:
     if mla.groups:
         writer.add_expert_group_count(mla.groups)
         writer.add_expert_group_used_count(mla.groups_used)
+    if mla.temperature_length:
+        writer.add_attn_temperature_length(mla.temperature_length)
 
 
 def _expert_tensors(tensor, spec: ModelSpec, i: int) -> Iterator[_Tensor]:
