@@ -351,3 +351,15 @@ def test_random_byte_damage_never_escapes_as_another_error(tmp_path: Path) -> No
             GGUFFile.open(path)
         except GGUFError as e:
             assert str(path) in str(e)
+
+
+def test_type_tables_are_the_gguf_packages():
+    """fs/gguf_file.py copies gguf's type ids and block sizes (importing gguf slowed every runner's start)."""
+    from ollama_engine.fs import gguf_file
+
+    assert {t.name: int(t) for t in gguf_file.GGMLQuantizationType} == {
+        t.name: int(t) for t in gguf.GGMLQuantizationType}
+    assert {t.name: int(t) for t in gguf_file.GGUFValueType} == {t.name: int(t) for t in gguf.GGUFValueType}
+    assert {int(k): v for k, v in gguf_file.GGML_QUANT_SIZES.items()} == {
+        int(k): v for k, v in gguf.GGML_QUANT_SIZES.items()}
+    assert gguf_file.GGUF_DEFAULT_ALIGNMENT == gguf.GGUF_DEFAULT_ALIGNMENT
