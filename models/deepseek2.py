@@ -37,7 +37,7 @@ from .base import Model, ModelError, bind, register, require_uint, weight
 from .moe import Gating, Routing, bind_experts, moe
 from .rope import yarn_options
 
-GATING = {0: Gating.SOFTMAX, 1: Gating.SOFTMAX, 2: Gating.SIGMOID}  # expert_gating_func; 0: unset (V2)
+GATING = {0: Gating.SOFTMAX, 1: Gating.SOFTMAX, 2: Gating.SIGMOID}  # expert_gating_func; 0: unset (V2, V2.5)
 
 
 @dataclass
@@ -202,6 +202,9 @@ class DeepSeek2(Model):
         self.experts = {}
         if o.leading_dense < o.block_count:
             gating = self.config.get_uint("expert_gating_func", 0)
+            vocab = self.config.get_uint("vocab_size", tokenizer.vocab_size if tokenizer is not None else 0)
+            if gating == 0 and o.block_count in (47, 48) and vocab == 154880:
+                gating = 2  # llama.cpp's default for GLM 4.7 Lite files, which do not say
             if gating not in GATING:
                 raise ModelError(f"expert_gating_func {gating} is not supported (1 softmax, 2 sigmoid)")
             self.routing = Routing.from_config(self.config, GATING[gating],
