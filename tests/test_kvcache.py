@@ -695,3 +695,52 @@ def test_lifecycle_bindings_and_edges(backend):
     swa = new_cache(backend, Causal(window_size=2), False)
     store(backend, swa, [0, 1, 2, 3, 4])
     assert swa.can_resume(0, 5) and not swa.can_resume(0, 6)  # at most one past the last stored position
+
+
+# ---------------------------------------------------------------- MLA: the value is the key's first features
+
+
+def test_value_in_key_stores_keys_only_and_reads_values_from_them(backend):
+    """Causal(value_in_key=2): no value tensor; each sequence's values are its keys' first 2 features, even
+    when permuted V was asked for; copy_prefix copies them with the keys; a value of another width is refused."""
+    cache = Causal(value_in_key=2)
+    cache.set_config(CacheConfig(permuted_v=True))
+    cache.init(backend, DType.F16, 2, 16, 16)
+    assert not cache.config.permuted_v
+    keys = np.arange(12, dtype=np.float32).reshape(4, 1, 3)  # numpy order: (tokens, heads, features)
+    with backend.new_context() as ctx:
+        cache.start_forward(ctx, Batch(positions=range(4), sequences=[0] * 4))
+        cache.set_layer(0)
+        key = ctx.input().from_numpy(keys)
+        with pytest.raises(ShapeError, match="first 2 features"):
+            cache.put(ctx, key, key)
+        cache.put(ctx, key, key.view(0, (2, 1, 4)))
+        (segment,) = cache.get(ctx)
+        value = segment.value.contiguous()
+        ctx.compute(segment.key, value)
+        assert segment.value.shape == (2, 1, 4)
+        np.testing.assert_array_equal(value.numpy()[:4], keys[:, :, :2])
+    assert cache._values[0] is None and cache._keys[0].shape == (3, 1, 32)
+    cache.copy_prefix(0, 1, 4)
+    with backend.new_context() as ctx:
+        cache.start_forward(ctx, Batch(positions=[4], sequences=[1]))
+        cache.set_layer(0)
+        extra = ctx.input().from_numpy(np.full((1, 1, 3), 7, dtype=np.float32))
+        cache.put(ctx, extra, extra.view(0, (2, 1, 1)))
+        (segment,) = cache.get(ctx)
+        value = segment.value.contiguous()
+        ctx.compute(value)
+        np.testing.assert_array_equal(value.numpy()[:5].reshape(5, 2), np.concatenate([keys[:, 0, :2], [[7, 7]]]))
+    cache.close()
+
+
+def test_value_in_key_quantized_needs_flash_attention(backend, fa_backend):
+    """A quantized MLA cache is read through flash attention only (V as a view of K cannot be transposed)."""
+    with pytest.raises(ValueError, match="needs flash attention"):
+        Causal(value_in_key=32).init(backend, DType.Q8_0, 1, 16, 16)
+    cache = Causal(value_in_key=32)
+    cache.init(fa_backend, DType.Q8_0, 1, 16, 16)
+    with fa_backend.new_context() as ctx:
+        cache.start_forward(ctx, Batch(positions=[0], sequences=[0]))
+        assert cache.rotations(ctx, 64, 32) == (None, None)  # llama.cpp rotates no MLA cache
+    cache.close()
