@@ -33,8 +33,8 @@ from .wire import (
     LoadRequest,
     ServerStatus,
     WireError,
-    completion_chunk,
     completion_done,
+    completion_line,
     embedding_content,
     encode,
     health_response,
@@ -245,7 +245,7 @@ class RunnerServer:
         try:
             await response.prepare(request)
             while (piece := await queue.get()) is not None:
-                await response.write(encode(completion_chunk(piece.text, piece.logprobs)))
+                await response.write(completion_line(piece.text, piece.logprobs))
             assert seq.done_reason is not None
             if seq.error is not None:  # no result: the stream ends without done (the parent reports the error)
                 await response.write(encode({"error": seq.error}))

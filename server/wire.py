@@ -66,12 +66,20 @@ def _go_float(value: float) -> str:
     return np.format_float_scientific(number, unique=True, trim="-", exp_digits=2).replace("e-0", "e-")
 
 
-def _go_string(value: str) -> str:
-    text = json.dumps(value, ensure_ascii=False)
-    for char, escape in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"),
-                         ("\u2028", "\\u2028"), ("\u2029", "\\u2029")):
-        text = text.replace(char, escape)
+_GO_ESCAPES = (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"), ("\u2028", "\\u2028"), ("\u2029", "\\u2029"))
+_json_text = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+def _go_escaped(text: str) -> str:
+    """JSON text as Go's encoder writes it: json.dumps escapes all else the same way."""
+    for char, escape in _GO_ESCAPES:
+        if char in text:
+            text = text.replace(char, escape)
     return text
+
+
+def _go_string(value: str) -> str:
+    return _go_escaped(_json_text(value))
 
 
 def _encode(value: Any, out: list[str]) -> None:
@@ -102,8 +110,23 @@ def _encode(value: Any, out: list[str]) -> None:
         raise TypeError(f"cannot encode {type(value).__name__} as JSON")
 
 
+def _float_free(value: Any) -> bool:
+    """Whether value holds only str keys, str, int, bool, None, dicts and lists: json's C encoder writes
+    those as Go does (only floats differ). Exact types: subclasses (Float32, enums) take the slow path."""
+    kind = type(value)
+    if kind is str or kind is int or kind is bool or value is None:
+        return True
+    if kind is dict:
+        return all(type(key) is str and _float_free(item) for key, item in value.items())
+    if kind is list or kind is tuple:
+        return all(_float_free(item) for item in value)
+    return False
+
+
 def encode(value: Any) -> bytes:
     """What Go's json.NewEncoder(w).Encode(value) writes."""
+    if _float_free(value):  # json's C encoder: a third of the time per streamed chunk
+        return (_go_escaped(_json_text(value)) + "\n").encode("utf-8")
     out: list[str] = []
     _encode(value, out)
     out.append("\n")
@@ -308,6 +331,17 @@ class CompletionRequest:
                 top_logprobs=top_logprobs,
             ),
         )
+
+
+_CHUNK_TAIL = (b',"done_reason":0,"done":false,"prompt_eval_count":0,"prompt_eval_duration":0,"eval_count":0,'
+               b'"eval_duration":0}\n')
+
+
+def completion_line(content: str, logprobs: list[Logprob]) -> bytes:
+    """encode(completion_chunk(...)), written straight for the common chunk without logprobs (one per token)."""
+    if logprobs:
+        return encode(completion_chunk(content, logprobs))
+    return b'{"content":' + _go_string(content).encode("utf-8") + _CHUNK_TAIL
 
 
 def completion_chunk(content: str, logprobs: list[Logprob]) -> dict[str, Any]:

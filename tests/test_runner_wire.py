@@ -11,6 +11,8 @@ import time
 import numpy as np
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from hypothesis import given
+from hypothesis import strategies as st
 
 from ollama_engine.ml import DeviceID
 from ollama_engine.ml import device as device_module
@@ -26,8 +28,10 @@ from ollama_engine.server.wire import (
     LoadRequest,
     ServerStatus,
     WireError,
+    _encode,
     completion_chunk,
     completion_done,
+    completion_line,
     encode,
     health_response,
 )
@@ -80,6 +84,31 @@ def test_completion_lines():
         b'{"content":"","done_reason":1,"done":true,"prompt_eval_count":27,"prompt_eval_duration":41234567,'
         b'"eval_count":128,"eval_duration":1500000000}\n'
     )
+
+
+def _encode_by_hand(value) -> bytes:
+    out: list[str] = []
+    _encode(value, out)
+    return ("".join(out) + "\n").encode()
+
+
+_TEXT = st.text(st.characters(codec="utf-8") | st.sampled_from("<>&\u2028\u2029\"\\\n\t\x00\x1f\x7f\b\f"))
+_FLOAT_FREE = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | _TEXT,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_TEXT, inner, max_size=4), max_leaves=12)
+
+
+@given(_FLOAT_FREE)
+def test_fast_encoding_is_the_hand_written_one(value):
+    """Values without floats go through json's C encoder; it must write exactly what the Go rules give."""
+    assert encode(value) == _encode_by_hand(value)
+
+
+@given(_TEXT)
+def test_completion_line_is_the_encoded_chunk(text):
+    assert completion_line(text, []) == _encode_by_hand(completion_chunk(text, []))
+    logprobs = [{"token": text, "logprob": -0.25}]
+    assert completion_line(text, logprobs) == _encode_by_hand(completion_chunk(text, logprobs))
 
 
 def test_health_line():

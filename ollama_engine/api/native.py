@@ -71,11 +71,18 @@ def json_response(value: Any, status: int = 200, headers: Mapping[str, str] | No
                         content_type="application/json", charset="utf-8")
 
 
+_last_stamp: tuple[int, str] = (-1, "")
+
+
 def created_at(now_ns: int | None = None) -> str:
     """RFC 3339 in UTC with nanoseconds, trailing zeros trimmed (Go's RFC3339Nano)."""
+    global _last_stamp
     now_ns = time.time_ns() if now_ns is None else now_ns
     seconds, nanos = divmod(now_ns, 1_000_000_000)
-    stamp = datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S")
+    last_seconds, stamp = _last_stamp
+    if seconds != last_seconds:  # every streamed chunk has one: format the seconds once per second
+        stamp = datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S")
+        _last_stamp = (seconds, stamp)
     fraction = f"{nanos:09d}".rstrip("0")
     return f"{stamp}.{fraction}Z" if fraction else f"{stamp}Z"
 
