@@ -5,7 +5,9 @@
 
 Measures, with `--slots` (4) sequences sharing each server's model:
   * aggregate generated tokens/s and mean time to first token for 1, 4 and 8 concurrent streams
-    (serve: /api/generate raw; llama-server: /completion; greedy, the same prompt texts);
+    (serve: /api/generate raw; llama-server: /completion; greedy, the same prompt texts), and the CPU
+    milliseconds per generated token of each process: the two busiest threads of the runner and of
+    llama-server (ggml's compute threads), their other threads, serve and this client;
   * the serve -> runner hop: single-stream decode speed and first-token time through serve against the
     same requests sent straight to a runner (loaded by fit -> alloc -> commit as serve's scheduler does);
   * multi-turn chat: the second turn's first-token time against the first's, on a ~2,000-token conversation
@@ -13,6 +15,11 @@ Measures, with `--slots` (4) sequences sharing each server's model:
 
 The synthetic models have random weights, so a stream may stop early at an end-of-generation token: the
 counts are the tokens each server reports having generated. Results print as JSON (and go to --out).
+
+Both servers get the same settings: threads (--threads, also for llama-server's prompt batches), slots,
+context per slot, batch 512, f16 KV cache and flash attention (--flash-attention: llama-server's default
+"auto" turns it on for the CPU, serve's leaves it off, so it is set on both). llama-server keeps its other
+defaults (continuous batching, a KV stream per slot, its HTTP threads).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import argparse
 import concurrent.futures
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -91,10 +99,10 @@ def timed_stream(chunks: Iterator[dict[str, Any]], text_of: Callable[[dict], str
     return Stream(total if first is None else first, tokens, total)
 
 
-def serve_generate(url: str, model: str, num_ctx: int) -> Callable[[str, int], Stream]:
+def serve_generate(url: str, model: str, num_ctx: int, threads: int) -> Callable[[str, int], Stream]:
     def run(prompt: str, n: int) -> Stream:
         body = {"model": model, "prompt": prompt, "raw": True, "stream": True,
-                "options": {"num_predict": n, "temperature": 0, "seed": 0, "num_ctx": num_ctx}}
+                "options": {"num_predict": n, "temperature": 0, "seed": 0, "num_ctx": num_ctx, "num_thread": threads}}
         chunks = (json.loads(line) for line in stream_lines(url + "/api/generate", body))
         return timed_stream(chunks, lambda c: c.get("response", ""), lambda c: c.get("eval_count"))
     return run
@@ -117,18 +125,71 @@ def runner_completion(handle) -> Callable[[str, int], Stream]:
     return run
 
 
-def concurrency(run: Callable[[str, int], Stream], streams: list[int], n_predict: int, words: int) -> dict:
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds so far of each thread of a process (/proc schedstat: nanoseconds on a CPU)."""
+    seconds = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as stat:
+                seconds[tid] = int(stat.read().split()[0]) / 1e9
+        except OSError:  # the thread has ended
+            pass
+    return seconds
+
+
+def children(pid: int) -> list[int]:
+    kids: list[int] = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/children") as listing:
+            kids += [int(kid) for kid in listing.read().split()]
+    return kids
+
+
+def serve_pids() -> dict[str, int]:
+    """serve (this process's child) and its runner."""
+    serve = next(kid for kid in children(os.getpid()) if b" serve" in Path(f"/proc/{kid}/cmdline").read_bytes()
+                 .replace(b"\0", b" "))
+    return {"serve": serve, "runner": children(serve)[0]}
+
+
+def cpu_per_token(pids: dict[str, int], before: dict[str, dict[str, float]], tokens: int,
+                  client_seconds: float) -> dict[str, float]:
+    """CPU ms per generated token: a model server's two busiest threads (ggml's compute threads, which spin
+    while they wait) apart from its other threads (HTTP, batching, sampling), each other process, the client."""
+    out = {}
+    for name, pid in pids.items():
+        after = thread_cpu(pid)
+        used = sorted((seconds - before[name].get(tid, 0.0) for tid, seconds in after.items()), reverse=True)
+        if name == "serve":
+            out[name] = 1e3 * sum(used) / tokens
+        else:
+            out[name + "_compute"] = 1e3 * sum(used[:2]) / tokens
+            out[name + "_other"] = 1e3 * sum(used[2:]) / tokens
+    out["client"] = 1e3 * client_seconds / tokens
+    return out
+
+
+def client_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def concurrency(run: Callable[[str, int], Stream], streams: list[int], n_predict: int, words: int,
+                pids: dict[str, int]) -> dict:
     run(prompt_text(999, 8), 4)  # warm-up
     results = {}
     for count in streams:
         prompts = [prompt_text(i + 100 * count, words) for i in range(count)]
+        before = {name: thread_cpu(pid) for name, pid in pids.items()}
+        client = client_cpu()
         start = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(max_workers=count) as pool:
             done = list(pool.map(lambda p: run(p, n_predict), prompts))
         wall = time.perf_counter() - start
         tokens = sum(s.tokens for s in done)
         results[str(count)] = {"aggregate_tps": tokens / wall, "wall_s": wall, "tokens": [s.tokens for s in done],
-                               "mean_first_token_s": sum(s.first_token_s for s in done) / count}
+                               "mean_first_token_s": sum(s.first_token_s for s in done) / count,
+                               "cpu_ms_per_token": cpu_per_token(pids, before, tokens, client_cpu() - client)}
         progress(f"{count} streams: {tokens / wall:.1f} t/s, "
                  f"first token {results[str(count)]['mean_first_token_s']:.3f} s")
     return results
@@ -186,44 +247,8 @@ def wait_http(url: str, process: subprocess.Popen, timeout: float = 300) -> None
         time.sleep(0.25)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, default=HERE / "out" / "llama-3.2-1b-Q4_0.gguf")
-    parser.add_argument("--llama-server", type=Path, default=LLAMA_SERVER)
-    parser.add_argument("--build-llama-server", action="store_true", help="build llama-server, then exit")
-    parser.add_argument("--streams", default="1,4,8")
-    parser.add_argument("--slots", type=int, default=4)
-    parser.add_argument("--slot-ctx", type=int, default=1024, help="context per slot")
-    parser.add_argument("--n-predict", type=int, default=128)
-    parser.add_argument("--prompt-words", type=int, default=32)
-    parser.add_argument("--chat-words", type=int, default=1500, help="first turn of the multi-turn chat (~2k tokens)")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
-    parser.add_argument("--out", type=Path, default=HERE / "out" / "serve_bench.json")
-    args = parser.parse_args()
-    if args.build_llama_server:
-        print(build_llama_server(os.cpu_count() or 2))
-        return 0
-    if not args.model.exists():
-        raise SystemExit(f"{args.model} is missing: `python bench/bench.py` writes the synthetic models")
-    streams = [int(s) for s in args.streams.split(",")]
-    results: dict[str, Any] = {"model": str(args.model), "slots": args.slots, "threads": args.threads}
-    num_ctx = args.slot_ctx
-
-    with tempfile.TemporaryDirectory() as tmp:
-        from ollama_engine.store import Store
-
-        store = Store(Path(tmp) / "models")
-        store.create("bench", files={args.model.name: store.add_file(args.model)})
-        env = {"OLLAMA_NUM_PARALLEL": str(args.slots), "OLLAMA_KEEP_ALIVE": "1h"}  # serve: every core
-        with serve_process(store.root, **env) as url:
-            progress("serve: concurrency")
-            results["serve"] = concurrency(serve_generate(url, "bench", num_ctx), streams, args.n_predict,
-                                           args.prompt_words)
-            results["serve_single"] = single(serve_generate(url, "bench", num_ctx), args.n_predict,
-                                             args.prompt_words, 5)
-            progress("serve: multi-turn chat")
-            results["multi_turn"] = multi_turn(url, "bench", args.chat_words)
-
+def hop(args: argparse.Namespace, num_ctx: int, streams: list[int], results: dict[str, Any]) -> None:
+    """Single-stream decode and first token straight to a runner, against serve's (results["serve_single"])."""
     progress("runner direct: single stream")
     worker = WorkerArgs(engine="runner", task="single", model=str(args.model), prompts={}, threads=args.threads,
                         t0=time.time(), gpu=False, streams=streams, verbose=False)
@@ -236,16 +261,69 @@ def main() -> int:
     results["hop"] = {"decode_ratio": serve_single["decode_tps"] / runner_single["decode_tps"],
                       "first_token_extra_ms": 1e3 * (serve_single["first_token_s"] - runner_single["first_token_s"])}
 
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=HERE / "out" / "llama-3.2-1b-Q4_0.gguf")
+    parser.add_argument("--llama-server", type=Path, default=LLAMA_SERVER)
+    parser.add_argument("--build-llama-server", action="store_true", help="build llama-server, then exit")
+    parser.add_argument("--streams", default="1,4,8")
+    parser.add_argument("--slots", type=int, default=4)
+    parser.add_argument("--slot-ctx", type=int, default=1024, help="context per slot")
+    parser.add_argument("--n-predict", type=int, default=128)
+    parser.add_argument("--prompt-words", type=int, default=32)
+    parser.add_argument("--chat-words", type=int, default=1500, help="first turn of the multi-turn chat (~2k tokens)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--flash-attention", choices=("off", "on"), default="off")
+    parser.add_argument("--concurrency-only", action="store_true", help="skip the hop and the multi-turn chat")
+    parser.add_argument("--out", type=Path, default=HERE / "out" / "serve_bench.json")
+    args = parser.parse_args()
+    if args.build_llama_server:
+        print(build_llama_server(os.cpu_count() or 2))
+        return 0
+    if not args.model.exists():
+        raise SystemExit(f"{args.model} is missing: `python bench/bench.py` writes the synthetic models")
+    streams = [int(s) for s in args.streams.split(",")]
+    results: dict[str, Any] = {"model": str(args.model), "slots": args.slots, "threads": args.threads,
+                               "flash_attention": args.flash_attention}
+    num_ctx = args.slot_ctx
+
+    with tempfile.TemporaryDirectory() as tmp:
+        from ollama_engine.store import Store
+
+        store = Store(Path(tmp) / "models")
+        store.create("bench", files={args.model.name: store.add_file(args.model)})
+        env = {"OLLAMA_NUM_PARALLEL": str(args.slots), "OLLAMA_KEEP_ALIVE": "1h",
+               "OLLAMA_FLASH_ATTENTION": str(int(args.flash_attention == "on"))}
+        with serve_process(store.root, **env) as url:
+            progress("serve: concurrency")
+            generate = serve_generate(url, "bench", num_ctx, args.threads)
+            generate(prompt_text(997, 8), 4)  # loads the model: its runner is then serve's child
+            results["serve"] = concurrency(generate, streams, args.n_predict, args.prompt_words, serve_pids())
+            if not args.concurrency_only:
+                results["serve_single"] = single(generate, args.n_predict, args.prompt_words, 5)
+            if not args.concurrency_only:
+                progress("serve: multi-turn chat")
+                results["multi_turn"] = multi_turn(url, "bench", args.chat_words)
+
+    if args.concurrency_only:
+        pass
+    elif args.flash_attention == "off":  # workers.start_runner loads without flash attention
+        hop(args, num_ctx, streams, results)
+    else:
+        progress("the serve -> runner hop is measured with --flash-attention off only")
+
     if args.llama_server.exists() or shutil.which(str(args.llama_server)):
         port = free_port()
         command = [str(args.llama_server), "-m", str(args.model), "--port", str(port), "-np", str(args.slots),
-                   "-c", str(num_ctx * args.slots), "-t", str(args.threads), "-b", "512", "--no-webui"]
+                   "-c", str(num_ctx * args.slots), "-t", str(args.threads), "-tb", str(args.threads), "-b", "512",
+                   "-ctk", "f16", "-ctv", "f16", "-fa", args.flash_attention, "--no-webui"]
         with subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as server:
             try:
                 wait_http(f"http://127.0.0.1:{port}/health", server)
                 progress("llama-server: concurrency")
                 results["llama_server"] = concurrency(llama_server_completion(f"http://127.0.0.1:{port}"), streams,
-                                                      args.n_predict, args.prompt_words)
+                                                      args.n_predict, args.prompt_words, {"llama_server": server.pid})
             finally:
                 server.terminate()
         results["ratios"] = {k: results["serve"][k]["aggregate_tps"] / results["llama_server"][k]["aggregate_tps"]
