@@ -7,8 +7,6 @@ by rank. The same pipeline is a tokenizers Sequence of isolated Splits, ByteLeve
 
 from __future__ import annotations
 
-import contextlib
-import threading
 from dataclasses import dataclass
 
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
@@ -103,41 +101,22 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
 
 
 class BytePairSegmenter:
-    """Turns plain text into ids the way llama.cpp's BPE tokenizer does.
-
-    Building the tokenizers BPE of a 128k vocabulary takes 0.4 s, which loading a model need not wait
-    for: it starts in a background thread at construction, and the first `encode` waits for it.
-    """
+    """Turns plain text into ids the way llama.cpp's BPE tokenizer does."""
 
     def __init__(self, vocab: Vocabulary) -> None:
         if vocab.pre not in PRE_TOKENIZERS:
             raise ValueError(f"unsupported pre-tokenizer {vocab.pre!r} (tokenizer.ggml.pre); "
                              f"supported: {', '.join(sorted(p for p in PRE_TOKENIZERS if p))}")
-        self._pre = PRE_TOKENIZERS[vocab.pre]
-        self.clean_spaces = self._pre.clean_spaces
-        self.add_bos_default = self._pre.add_bos
-        self._vocab: Vocabulary | None = vocab  # dropped once built
-        self._built: Tokenizer | None = None
-        self._lock = threading.Lock()
-        threading.Thread(target=self._build_quietly, name="bpe-build", daemon=True).start()
-
-    def _build_quietly(self) -> None:
-        with contextlib.suppress(Exception):  # the first encode builds it again and raises
-            self._tokenizer()
-
-    def _tokenizer(self) -> Tokenizer:
-        with self._lock:
-            if self._built is None:
-                assert self._vocab is not None
-                tokenizer = Tokenizer(_bpe_model(self._vocab, self._pre.ignore_merges))
-                tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-                    [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in self._pre.regexes]
-                    + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-                self._built, self._vocab = tokenizer, None
-            return self._built
+        pre = PRE_TOKENIZERS[vocab.pre]
+        self.clean_spaces = pre.clean_spaces
+        self.add_bos_default = pre.add_bos
+        self._tokenizer = Tokenizer(_bpe_model(vocab, pre.ignore_merges))
+        self._tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
+            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
     def encode(self, text: str, after_special: bool) -> list[int]:
-        return self._tokenizer().encode(text, add_special_tokens=False).ids
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
 
 
 def _merge_pairs(vocab: Vocabulary) -> list[tuple[str, str]]:
