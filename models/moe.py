@@ -38,7 +38,7 @@ class Experts:
 
     router: Tensor = weight("ffn_gate_inp.weight")
     router_bias: Tensor | None = weight("ffn_gate_inp.bias", optional=True)
-    gate: Tensor = weight("ffn_gate_exps.weight")
+    gate: Tensor | None = weight("ffn_gate_exps.weight", optional=True)  # None: ungated (nomic-bert-moe)
     gate_bias: Tensor | None = weight("ffn_gate_exps.bias", optional=True)
     up: Tensor = weight("ffn_up_exps.weight")
     up_bias: Tensor | None = weight("ffn_up_exps.bias", optional=True)
@@ -76,11 +76,14 @@ class Routing:
         return cls(n_expert, n_used, gating, normalize, scale, weight_before_ffn, max(groups, 1), groups_used)
 
 
-def bind_experts(backend: Backend, layer: int, routing: Routing, n_embd: int) -> Experts:
+def bind_experts(backend: Backend, layer: int, routing: Routing, n_embd: int, gated: bool = True) -> Experts:
     """Layer `layer`'s experts, their shapes checked against the routing and the embedding length: ggml
-    aborts on an expert id beyond a stack (mul_mat_id, add_id, get_rows) and on a stack that is not 3-d."""
+    aborts on an expert id beyond a stack (mul_mat_id, add_id, get_rows) and on a stack that is not 3-d.
+    gated=False: the architecture's experts have no gate (nomic-bert-moe); otherwise the gate is required."""
     experts = bind(Experts, backend, f"blk.{layer}.")
-    n_ff, e = (experts.gate.shape + (-1,))[1], routing.n_expert
+    if gated and experts.gate is None:
+        raise ModelError(f"model is missing required tensor blk.{layer}.ffn_gate_exps.weight")
+    n_ff, e = (experts.up.shape + (-1,))[1], routing.n_expert
     expected = {"router": (n_embd, e), "router_bias": (e,), "gate": (n_embd, n_ff, e), "gate_bias": (n_ff, e),
                 "up": (n_embd, n_ff, e), "up_bias": (n_ff, e), "down": (n_ff, n_embd, e), "down_bias": (n_embd, e),
                 "selection_bias": (e,)}
@@ -92,8 +95,8 @@ def bind_experts(backend: Backend, layer: int, routing: Routing, n_embd: int) ->
     return experts
 
 
-Activation = Callable[[Tensor, Tensor], Tensor]
-"""gate, up -> activated (n_ff, n_used, n): SwiGLU by default."""
+Activation = Callable[[Tensor, Tensor | None], Tensor]
+"""gate, up -> activated (n_ff, n_used, n): SwiGLU by default; ungated experts give (up, None)."""
 
 
 def moe(x: Tensor, experts: Experts, routing: Routing, layer: int, activation: Activation = Tensor.silu) -> Tensor:
@@ -134,8 +137,11 @@ def moe(x: Tensor, experts: Experts, routing: Routing, layer: int, activation: A
     if r.weight_before_ffn:
         x = x.repeat_to(n_embd, r.n_used, n).mul(weights).set_name(f"ffn_moe_weighted-{layer}")
     up = _biased(experts.up.matmul_id(x, selected), experts.up_bias, selected, f"ffn_moe_up-{layer}")
-    gate = _biased(experts.gate.matmul_id(x, selected), experts.gate_bias, selected, f"ffn_moe_gate-{layer}")
-    hidden = activation(gate, up)  # (n_ff, n_used, n)
+    if experts.gate is None:  # ungated experts: the activation of up alone (nomic-bert-moe)
+        hidden = activation(up, None)
+    else:
+        gate = _biased(experts.gate.matmul_id(x, selected), experts.gate_bias, selected, f"ffn_moe_gate-{layer}")
+        hidden = activation(gate, up)  # (n_ff, n_used, n)
     out = _biased(experts.down.matmul_id(hidden, selected), experts.down_bias, selected, f"ffn_moe_down-{layer}")
     if not r.weight_before_ffn:
         out = out.mul(weights).set_name(f"ffn_moe_weighted-{layer}")  # (n_embd, n_used, n)

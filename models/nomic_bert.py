@@ -16,7 +16,6 @@ not renormalised.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -26,9 +25,9 @@ from ollama_engine.kvcache import Batch, attention
 from ollama_engine.ml import Backend, Context, RopeOptions, Tensor
 from ollama_engine.tokenizer import Tokenizer
 
-from .base import Model, ModelError, bind, register, weight
+from .base import Model, bind, register, weight
 from .bert import Bert, Options, Pooling
-from .moe import Experts, Gating, Routing, moe
+from .moe import Gating, Routing, bind_experts, moe
 
 
 @dataclass
@@ -60,13 +59,6 @@ class Gelu:
     up_bias: Tensor | None = weight("ffn_up.bias", optional=True)
     down: Tensor = weight("ffn_down.weight")
     down_bias: Tensor | None = weight("ffn_down.bias", optional=True)
-
-
-@dataclass
-class UngatedExperts(Experts):
-    """v2's experts: no ffn_gate_exps."""
-
-    gate: Tensor | None = weight("ffn_gate_exps.weight", optional=True)
 
 
 @dataclass
@@ -147,29 +139,15 @@ class NomicBertMoe(NomicBert):
         self.routing = Routing.from_config(self.config, Gating.SOFTMAX, normalize=False) if self.mixtures else None
         self.dense = {i: bind(Gelu, backend, f"blk.{i}.") for i in range(self.options.block_count)
                       if i not in self.mixtures}
-        self.experts = {i: self._bind_experts(backend, i) for i in self.mixtures}
-
-    def _bind_experts(self, backend: Backend, i: int) -> Experts:
-        """Layer i's router and experts, their shapes checked (ggml aborts on an expert id beyond a stack)."""
-        assert self.routing is not None
-        experts = bind(UngatedExperts, backend, f"blk.{i}.")
-        e, n_embd = self.routing.n_expert, self.options.hidden
-        n_ff = (experts.up.shape + (-1,))[1]
-        for name, tensor, shape in (("ffn_gate_inp", experts.router, (n_embd, e)),
-                                    ("ffn_up_exps", experts.up, (n_embd, n_ff, e)),
-                                    ("ffn_down_exps", experts.down, (n_ff, n_embd, e))):
-            if tensor.shape != shape:
-                raise ModelError(f"tensor blk.{i}.{name}.weight has shape {list(tensor.shape)}, expected "
-                                 f"{list(shape)} (embedding_length {n_embd}, expert_count {e})")
-        # moe() runs a gate; this one is never reached from the output (gelu of up alone), so not computed
-        return dataclasses.replace(experts, gate=experts.up)
+        self.experts = {i: bind_experts(backend, i, self.routing, self.options.hidden, gated=False)
+                        for i in self.mixtures}
 
     def ffn(self, i: int, h: Tensor) -> Tensor:
         if i in self.experts:
             assert self.routing is not None
             # no gate: gelu(up), as llama.cpp's build_moe_ffn with LLM_FFN_GELU and no gate_exps
             return moe(h, self.experts[i], self.routing, i,
-                       activation=lambda _gate, up: up.gelu().set_name(f"ffn_moe_gelu-{i}"))
+                       activation=lambda up, _none: up.gelu().set_name(f"ffn_moe_gelu-{i}"))
         f = self.dense[i]
         up = f.up.matmul(h)
         up = (up.add(f.up_bias) if f.up_bias is not None else up).gelu().set_name(f"ffn_gelu-{i}")

@@ -284,6 +284,7 @@ BAD = {
     "q_b of the wrong width": ("blk.1.attn_q_b.weight", [32, 192], "blk.1.attn_q_b.weight has shape [32, 192]"),
     "k_b for 2 heads": ("blk.2.attn_k_b.weight", [32, 64, 2], "expected [32, 64, 4]"),
     "shared expert missing": ("blk.2.ffn_up_shexp.weight", None, "missing required tensor blk.2.ffn_up_shexp"),
+    "expert gates missing": ("blk.2.ffn_gate_exps.weight", None, "missing required tensor blk.2.ffn_gate_exps"),
     "selection bias of 4": ("blk.1.exp_probs_b.bias", [4], "expected [8]"),
     "gating 4": ("deepseek2.expert_gating_func", 4, "expert_gating_func 4"),
     "temperature without a length": ("deepseek2.attention.temperature_scale", 1.0, "temperature_length"),
