@@ -250,6 +250,15 @@ def read(t) -> np.ndarray:
     return out
 
 
+def host_bytes(t) -> memoryview | None:
+    """The bytes of a contiguous tensor in a host buffer, writable in place (a file can be read straight
+    into a weight); None for device memory and for layouts other than ggml's plain one (repacked)."""
+    source = t.view_src if t.view_src != NULL else t
+    if not has_storage(t) or not is_contiguous(t) or not lib.ggml_backend_buffer_is_host(source.buffer):
+        return None
+    return memoryview(ffi.buffer(ffi.cast("char *", t.data), nbytes(t)))
+
+
 def host_view(t) -> np.ndarray | None:
     """The tensor's memory as a numpy array without copying, if it is contiguous host memory, else None.
 

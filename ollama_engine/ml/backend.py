@@ -348,8 +348,9 @@ class Backend:
 
         The file is read (pread, which releases the GIL), not mapped: the pages of a mapped file count in
         the process's resident set while it is mapped, which put the whole file on top of the weights in
-        the peak RSS. Each thread reads plain tensors through a chunk of its own; a tensor that is
-        repacked is converted whole, so it is read whole.
+        the peak RSS. A tensor in host memory in ggml's plain layout is read in place; one that is
+        repacked is converted whole, so it is read whole; others (device memory) go through a chunk
+        of the thread's own.
         """
         if not self.allocate or self.model is None:
             raise RuntimeError("cannot load model without memory allocation")
@@ -368,6 +369,13 @@ class Backend:
 
         def load_one(fd: int, info) -> None:
             targets = self._load_targets[info.name]
+            direct = ggml.host_bytes(targets[0].handle)
+            if direct is not None:  # plain layout in host memory: read in place, no copy
+                read_at(fd, info.offset, direct)
+                for target in targets[1:]:
+                    ggml.write_bytes(target.handle, direct)
+                advance(info.n_bytes)
+                return
             if any(target.name in self._repacked for target in targets):
                 # np.empty, not bytearray(), which zeroes its bytes holding the GIL: /health timed out behind 141 MiB
                 data = read_at(fd, info.offset, memoryview(np.empty(info.n_bytes, np.uint8)))
