@@ -132,6 +132,8 @@ def test_bad_metadata_is_rejected() -> None:
     with pytest.raises(ValueError, match="unsupported pre-tokenizer 'nonesuch'"):
         from_metadata({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "nonesuch",
                        "tokenizer.ggml.tokens": ["a"], "tokenizer.ggml.merges": []})
+    with pytest.raises(ValueError, match="tokenizer.ggml.merges must hold strings, not bool"):  # found by fuzzing
+        from_metadata({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a"], "tokenizer.ggml.merges": [True]})
     with pytest.raises(ValueError, match="no 'tokenizer.ggml.model'"):
         from_metadata({"general.architecture": "llama"})
     with pytest.raises(IndexError):

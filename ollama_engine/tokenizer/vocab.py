@@ -105,7 +105,7 @@ class Vocabulary:
         if self.architecture == "gptoss" and self.pre in ("", "default"):
             self.pre = "gpt-4o"  # Ollama's own gpt-oss files say "default" and Ollama splits them with o200k's regex
 
-        tokens = _as_texts(_get(metadata, "tokenizer.ggml.tokens", list))
+        tokens = _as_texts(_get(metadata, "tokenizer.ggml.tokens", list), "tokenizer.ggml.tokens")
         self.tokens: list[str] = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
         n = len(self.tokens)
         if n == 0:
@@ -124,7 +124,7 @@ class Vocabulary:
         if len(self.scores) < n or len(self.attrs) < n:
             raise ValueError("tokenizer.ggml.scores / token_type are shorter than tokenizer.ggml.tokens")
         self.scores, self.attrs = self.scores[:n], self.attrs[:n]
-        self.merges: list[str] = _as_texts(_get(metadata, "tokenizer.ggml.merges", list, []))
+        self.merges: list[str] = _as_texts(_get(metadata, "tokenizer.ggml.merges", list, []), "tokenizer.ggml.merges")
 
         ids = self._special_ids(metadata)
         self.bos_id: int | None = ids["bos"]
@@ -296,10 +296,13 @@ def _as_text(value: str | bytes) -> str:
     return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else value
 
 
-def _as_texts(values: list[str | bytes]) -> list[str]:
+def _as_texts(values: list[str | bytes], key: str) -> list[str]:
     """_as_text of each; the GGUF reader already gives str, and then the 400k values of a 128k vocabulary and
     its merges are copied at C speed."""
-    if bytes in set(map(type, values)):
+    types = set(map(type, values))
+    if not types <= {str, bytes}:
+        raise ValueError(f"{key} must hold strings, not {', '.join(sorted(t.__name__ for t in types - {str, bytes}))}")
+    if bytes in types:
         return [_as_text(v) for v in values]
     return list(values)
 
