@@ -193,11 +193,6 @@ class DeepSeek2(Model):
         self.layers = [bind(Layer, backend, f"blk.{i}.") for i in range(o.block_count)]
         for i, layer in enumerate(self.layers):
             self._check(layer, i)
-        per_head = [f"blk.{i}.attn_{p}_b.weight" for i in range(o.block_count) for p in "kv"]
-        repacked = sorted(backend.repacked_weights().intersection(per_head))
-        if repacked:  # ggml would abort: no backend runs a batched mul_mat on a repacked weight
-            raise ModelError(f"{repacked[0]} is stored in the CPU's repacked layout, which multiplies no per-head "
-                             "(3-D) matrix; load with repack_weights=False")
         self.routing = None
         self.experts = {}
         if o.leading_dense < o.block_count:

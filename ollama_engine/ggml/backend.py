@@ -116,22 +116,23 @@ def buffer_type_name(buft) -> str:
     return _string(lib.ggml_backend_buft_name(buft))
 
 
-def supports_matmul_weight(dev, buft, ggml_type: int, shape: tuple[int, ...]) -> bool:
+def supports_matmul_weight(dev, buft, ggml_type: int, shape: tuple[int, ...], experts: bool = False) -> bool:
     """Whether the device can multiply by a weight of this type and shape stored in a buffer of `buft`.
 
     Asked the way the scheduler will meet it: a mul_mat of the weight, placed in a zero-sized buffer
-    of that type, by a batch of F32 rows; for stacked experts (3-D) a mul_mat_id, as llama.cpp asks.
+    of that type, by a batch of F32 rows; for stacked experts (3-D, `experts`) a mul_mat_id, and for
+    other 3-D weights (deepseek2's per-head attn_k_b) a batched mul_mat, as llama.cpp asks.
     """
     ctx = lib.ggml_init({"mem_size": 5 * lib.ggml_tensor_overhead(), "mem_buffer": NULL, "no_alloc": True})
     buffer = lib.ggml_backend_buft_alloc_buffer(buft, 0)
     try:
         probe = lib.ggml_new_tensor(ctx, ggml_type, len(shape), ffi.new("int64_t[]", shape))
         probe.buffer = buffer
-        if len(shape) == 3:
+        if len(shape) == 3 and experts:
             rows = lib.ggml_new_tensor_3d(ctx, lib.GGML_TYPE_F32, shape[0], 1, 512)
             ids = lib.ggml_new_tensor_2d(ctx, lib.GGML_TYPE_I32, 1, 512)
             return bool(lib.ggml_backend_dev_supports_op(dev, lib.ggml_mul_mat_id(ctx, probe, rows, ids)))
-        rows = lib.ggml_new_tensor_2d(ctx, lib.GGML_TYPE_F32, shape[0], 512)
+        rows = lib.ggml_new_tensor_3d(ctx, lib.GGML_TYPE_F32, shape[0], 512, shape[2] if len(shape) == 3 else 1)
         return bool(lib.ggml_backend_dev_supports_op(dev, lib.ggml_mul_mat(ctx, probe, rows)))
     finally:
         lib.ggml_backend_buffer_free(buffer)

@@ -218,7 +218,8 @@ class Backend:
         device = placement.device
         if device is self.cpu and placement.layer is not None and len(info.shape) in (2, 3):
             for buft in extra:
-                if ggml_backend.supports_matmul_weight(device.handle, buft, int(info.ggml_type), tuple(info.shape)):
+                if ggml_backend.supports_matmul_weight(device.handle, buft, int(info.ggml_type), tuple(info.shape),
+                                                       experts="_exps." in info.name):
                     return buft
         return device.buffer_type
 
