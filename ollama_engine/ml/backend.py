@@ -115,6 +115,8 @@ class Backend:
         self.allocated_graph = None  # the graph the scheduler's compute buffers are laid out for
         self.compute_seconds = 0.0  # time spent inside ggml's graph compute, for profiling
         self.last_compute = 0.0  # time.monotonic() when the last graph compute ended
+        if allocate:
+            ggml_backend.release_free_heap()
         try:
             self._create_weights()
             self._create_scheduler(num_threads or default_threads())
