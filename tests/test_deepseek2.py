@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from llama_reference import Reference, compare_schedule
+from memory_checks import fitted_then_allocated
 
 from ollama_engine import diff
 from ollama_engine.fs.synthetic import MLASpec, write_synthetic
@@ -229,25 +230,12 @@ def test_fit_equals_alloc_and_inference_allocates_nothing_more(synthetic):
     a decode step of every sequence."""
     path = str(synthetic("v3"))
     params = LoadParams(parallel=2, batch_size=32, kv_size=256, num_threads=1)
-    fit = open_model(path, params, allocate=False)
-    fit_report = fit.memory.to_json()
-    fit.close()
-    loaded = open_model(path, params, allocate=True)
-    try:
-        assert loaded.memory.to_json() == fit_report
-        report = loaded.memory
-        before = loaded.model.backend.allocated()["CPU"]
-        assert before == report.input_weights + report.cpu.size()
-        loaded.model.backend.load()
+    with fitted_then_allocated(path, params) as loaded:
         graphs = loaded.model.graphs
         graphs.compute(Batch(positions=range(32), sequences=[0] * 32, outputs=[31], tokens=np.arange(32) + 100))
         graphs.compute(Batch(positions=range(32), sequences=[1] * 32, outputs=[31], tokens=np.arange(32) + 200))
         for step in range(3):
             graphs.compute(Batch(positions=[32 + step] * 2, sequences=[0, 1], outputs=[0, 1], tokens=[7, 8]))
-        assert loaded.model.backend.allocated()["CPU"] == before
-        assert loaded.memory.to_json() == fit_report
-    finally:
-        loaded.close()
 
 
 def test_shift_moves_only_the_rotary_part(synthetic):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from llama_reference import compare_schedule
+from memory_checks import fitted_then_allocated
 
 from ollama_engine.fs.synthetic import write_synthetic
 from ollama_engine.kvcache import Batch
@@ -67,25 +68,12 @@ def test_quantized_cache_memory_report_equals_allocation(synthetic, cache_type):
     path = str(synthetic["qwen2-head64"])
     params = LoadParams(parallel=2, batch_size=16, kv_size=512, kv_cache_type=cache_type, flash_attention=True,
                         num_threads=2)
-    fit = open_model(path, params, allocate=False)
-    fit_report = fit.memory.to_json()
-    fit.close()
-    loaded = open_model(path, params, allocate=True)
-    try:
-        assert loaded.memory.to_json() == fit_report
-        report = loaded.memory
-        before = loaded.model.backend.allocated()["CPU"]
-        assert before == report.input_weights + report.cpu.size()
-        assert all(c > 0 for c in report.cpu.cache[:-1])
-        loaded.model.backend.load()
+    with fitted_then_allocated(path, params) as loaded:
+        assert all(c > 0 for c in loaded.memory.cpu.cache[:-1])
         graphs = loaded.model.graphs
         graphs.compute(Batch(positions=range(15), sequences=[0] * 15, outputs=[14], tokens=[3] * 15))
         graphs.compute(Batch(positions=[15, 0, 1], sequences=[0, 1, 1], outputs=[0, 2], tokens=[4, 5, 6]))
         graphs.compute(Batch(positions=[16, 2], sequences=[0, 1], outputs=[0, 1], tokens=[7, 8]))
-        assert loaded.model.backend.allocated()["CPU"] == before
-        assert loaded.memory.to_json() == fit_report
-    finally:
-        loaded.close()
 
 
 def test_hadamard_rotation_is_orthonormal_and_matches_numpy():

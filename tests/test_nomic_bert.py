@@ -9,12 +9,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from memory_checks import fitted_then_allocated
 from test_embeddings import LOAD, serve
 
 from ollama_engine.fs.synthetic import write_synthetic
 from ollama_engine.models import ModelError, load_model
 from ollama_engine.models.bert import Pooling
-from ollama_engine.runner.allocate import LoadParams, open_model
+from ollama_engine.runner.allocate import LoadParams
 from ollama_engine.runner.embed import embed
 
 PROMPTS = ["search_query: What is the capital of France?", "Hello", "Embeddings: café, naïve, 3.14159!"]
@@ -138,20 +139,9 @@ def test_moe_embeddings_match_llama_cpp(nomic_moe, weight_type, moe_every):
 def test_moe_fit_equals_alloc_and_embedding_allocates_nothing_more(nomic_moe):
     path = str(nomic_moe())
     params = LoadParams(batch_size=64, kv_size=64, num_threads=THREADS)
-    fit = open_model(path, params, allocate=False)
-    fit_report = fit.memory.to_json()
-    fit.close()
-    loaded = open_model(path, params, allocate=True)
-    try:
-        assert loaded.memory.to_json() == fit_report
-        before = loaded.model.backend.allocated()["CPU"]
-        assert before == loaded.memory.input_weights + loaded.memory.cpu.size()
-        loaded.model.backend.load()
+    with fitted_then_allocated(path, params) as loaded:
         for prompt in ("Hello", "word " * 60):  # one token, and the whole 64-token batch
             embed(loaded.model, prompt, 64)
-        assert loaded.model.backend.allocated()["CPU"] == before
-    finally:
-        loaded.close()
 
 
 def test_moe_served_by_the_runner(nomic_moe):
