@@ -34,6 +34,7 @@ from ollama_engine.ml import Backend, Context, Tensor
 from ollama_engine.tokenizer import Tokenizer
 
 from .base import Model, ModelError, bind, register, require_uint, weight
+from .llama import Weights
 from .moe import Gating, Routing, bind_experts, moe
 from .rope import yarn_options
 
@@ -62,13 +63,6 @@ class Layer:
     ffn_gate_shexp: Tensor | None = weight("ffn_gate_shexp.weight", optional=True)
     ffn_up_shexp: Tensor | None = weight("ffn_up_shexp.weight", optional=True)
     ffn_down_shexp: Tensor | None = weight("ffn_down_shexp.weight", optional=True)
-
-
-@dataclass
-class Weights:
-    token_embd: Tensor = weight("token_embd.weight")
-    output_norm: Tensor = weight("output_norm.weight")
-    output: Tensor = weight("output.weight")
 
 
 @dataclass(frozen=True)
