@@ -54,7 +54,7 @@ def load_model(
     factory = model_class(file.config)
     backend = Backend(
         file, gpu_layers, allocate=allocate, num_threads=num_threads, flash_attention=flash_attention,
-        repack_weights=repack_weights,
+        repack_weights=repack_weights, unused_tensors=factory.unused_tensors(file.config),
     )
     try:
         return factory(backend, tokenizer)

@@ -91,6 +91,13 @@ class Model:
     after it (see graphs.BATCH_INPUTS), or one of batch_inputs(): then a built graph can serve later batches
     of the same shape."""
 
+    @classmethod
+    def unused_tensors(cls, config: Config) -> Callable[[str], bool]:
+        """Which of the file's tensors this model never reads, so that they are neither allocated nor
+        counted: by default the vision tower and projector Ollama stores beside a text model (gemma3,
+        mistral3, llama4 files), which the text model does not run."""
+        return lambda name: name.startswith(("v.", "mm."))
+
     def __init__(self, backend: Backend, tokenizer: Tokenizer | None):
         if backend.model is None:
             raise ValueError("a model needs a backend built from a GGUF file")

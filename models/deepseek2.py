@@ -24,6 +24,7 @@ plus the shared experts (ffn_*_shexp), a SwiGLU added to the mixture's output.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -179,6 +180,14 @@ def _kq_scale(config: Config, rope_scale: float, k_head: int) -> float:
 @register("deepseek2")
 class DeepSeek2(Model):
     reuse_graphs = True
+
+    @classmethod
+    def unused_tensors(cls, config: Config) -> Callable[[str], bool]:
+        """The multi-token prediction blocks (the last nextn_predict_layers) too: llama.cpp skips them."""
+        trunk = config.get_uint("block_count", 0) - config.get_uint("nextn_predict_layers", 0)
+        mtp = tuple(f"blk.{i}." for i in range(max(trunk, 0), config.get_uint("block_count", 0)))
+        vision = super().unused_tensors(config)
+        return lambda name: vision(name) or name.startswith(mtp)
 
     def __init__(self, backend: Backend, tokenizer: Tokenizer | None):
         super().__init__(backend, tokenizer)

@@ -10,8 +10,8 @@ multiplied by 1 + beta * ln(1 + floor(position / original_context)) before atten
 
 Ollama's own conversions (arch "mistral3" with the vision tower in the same file) name two keys
 differently: rope.scaling.beta_fast/beta_slow and the temperature rope.scaling_beta (Ollama's
-model_text.go); both spellings are read. Their vision tensors are loaded but not used: this is the
-text model.
+model_text.go); both spellings are read. Their vision tower is this text model's unused tensors (not
+allocated, not counted).
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ sequences' streams in one op, we to each alone). Without a reused graph's query 
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +26,10 @@ from ollama_engine.fs.synthetic import write_synthetic
 from ollama_engine.kvcache import Batch
 from ollama_engine.ml import DType
 from ollama_engine.models import ModelError, load_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+
+import fuzz_gguf  # noqa: E402
 
 TOLERANCE = 1e-4
 PROMPT = "The quick brown fox jumps over the lazy dog. It was"
@@ -92,3 +98,29 @@ def test_what_is_not_supported_is_a_clear_error(tmp_path: Path, arch: str, optio
     path = write_synthetic(tmp_path / f"{arch}.gguf", arch, **options)
     with pytest.raises(ModelError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_model(path, allocate=False)
+
+
+def test_a_vision_tower_beside_the_text_model_takes_no_memory(synthetic, tmp_path: Path) -> None:
+    """Ollama stores mistral3's (and gemma3's, llama4's) vision tower and projector in the model's file: the
+    text model leaves them unallocated and out of the memory report, and its logits are the same."""
+    plain = synthetic("mistral3", "F16")
+    model = fuzz_gguf.Model.read(plain)
+    tower = [fuzz_gguf.Tensor(name, 1, [64, 64], bytes(64 * 64 * 2))  # F16 zeros
+             for name in ("v.patch_embd.weight", "v.blk.0.attn_q.weight", "mm.linear_1.weight")]
+    model.tensors = [dataclasses.replace(t, offset=None) for t in model.tensors] + tower
+    with_tower = tmp_path / "with-vision.gguf"
+    with_tower.write_bytes(model.to_bytes())
+    batch = Batch(positions=range(4), sequences=[0] * 4, outputs=[3], tokens=[1, 2, 3, 4])
+    results = []
+    for path in (plain, with_tower):
+        loaded = load_model(path, num_threads=1)
+        try:
+            loaded.cache.init(loaded.backend, DType.F16, 1, 256, 16)
+            loaded.backend.load()
+            assert not any(name.startswith(("v.", "mm.")) for name in loaded.backend.weights)
+            results.append((loaded.backend.memory.to_json(), loaded.graphs.compute(batch)))
+        finally:
+            loaded.close()
+    (plain_memory, plain_logits), (tower_memory, tower_logits) = results
+    assert tower_memory == plain_memory
+    np.testing.assert_array_equal(tower_logits, plain_logits)

@@ -15,6 +15,7 @@ the logprobs against llama.cpp's own unsplit result).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import re
 import sys
 from pathlib import Path
@@ -297,3 +298,35 @@ def test_bad_files_are_refused_with_a_model_error(synthetic, tmp_path, case):
     path.write_bytes(model.to_bytes())
     with pytest.raises(ModelError, match=re.escape(message)):
         load_model(path).close()
+
+
+def test_multi_token_prediction_blocks_take_no_memory(synthetic, tmp_path):
+    """A file with nextn_predict_layers blocks after the trunk (DeepSeek V3, GLM) runs as the trunk alone: the
+    extra block is neither allocated nor counted, as llama.cpp skips it, and the logits are the trunk's."""
+    plain = synthetic("v3")
+    model = fuzz_gguf.Model.read(plain)
+    blocks = model.metadata["deepseek2.block_count"][2]
+    last = [t for t in model.tensors if t.name.startswith(f"blk.{blocks - 1}.")]
+    model.tensors += [dataclasses.replace(t, name=t.name.replace(f"blk.{blocks - 1}.", f"blk.{blocks}."), offset=None)
+                      for t in last]
+    model.tensors = [dataclasses.replace(t, offset=None) for t in model.tensors]
+    model.metadata["deepseek2.block_count"] = (4, None, blocks + 1)  # UINT32
+    model.metadata["deepseek2.nextn_predict_layers"] = (4, None, 1)
+    with_mtp = tmp_path / "mtp.gguf"
+    with_mtp.write_bytes(model.to_bytes())
+
+    batch = Batch(positions=range(4), sequences=[0] * 4, outputs=[3], tokens=[1, 2, 3, 4])
+    results = []
+    for path in (plain, with_mtp):
+        loaded = load_model(path, num_threads=1)
+        try:
+            loaded.cache.init(loaded.backend, cache_dtype("f16"), 1, 256, 16)
+            loaded.backend.load()
+            weights = loaded.backend.memory.cpu.weights
+            results.append((sum(weights), loaded.graphs.compute(batch)))
+            assert not any(name.startswith(f"blk.{blocks}.") for name in loaded.backend.weights)
+        finally:
+            loaded.close()
+    (plain_bytes, plain_logits), (mtp_bytes, mtp_logits) = results
+    assert mtp_bytes == plain_bytes
+    np.testing.assert_array_equal(mtp_logits, plain_logits)

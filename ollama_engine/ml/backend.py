@@ -71,6 +71,8 @@ class Backend:
     """The weights of one GGUF on the devices a GPULayers list chooses, and a scheduler over them.
 
     With no model it is a bare compute backend (no weights, block_count 0): handy for tests and tools.
+    unused_tensors names the file's tensors the model never reads (a vision tower beside a text model):
+    they take no memory and are left out of the memory report, as llama.cpp skips them.
     """
 
     def __init__(
@@ -83,8 +85,10 @@ class Backend:
         flash_attention: bool = False,
         memory_limits: dict[str, int] | None = None,
         repack_weights: bool = True,
+        unused_tensors: Callable[[str], bool] | None = None,
     ):
         self.model = model
+        self.unused_tensors = unused_tensors or (lambda name: False)  # neither allocated, counted nor read
         self.repack_weights = repack_weights
         self.allocate = allocate
         self.flash_attention = flash_attention
@@ -229,6 +233,8 @@ class Backend:
         extra = ggml_backend.extra_buffer_types(self.cpu.handle) if self.repack_weights else []
         groups: dict[tuple, list] = {}  # (device, buffer type) -> [(placement, info)]
         for info in self.model.tensors.values() if self.model is not None else ():
+            if self.unused_tensors(info.name):
+                continue
             for placement in self.placements(info.name):
                 buft = self._weight_buffer_type(placement, info, extra)
                 groups.setdefault((placement.device, buft), []).append((placement, info))
@@ -357,7 +363,7 @@ class Backend:
         """
         if not self.allocate or self.model is None:
             raise RuntimeError("cannot load model without memory allocation")
-        infos = list(self.model.tensors.values())
+        infos = [info for info in self.model.tensors.values() if info.name in self._load_targets]
         total = sum(info.n_bytes for info in infos) or 1
         done = 0
         lock = threading.Lock()
