@@ -35,7 +35,7 @@ def _byte_chars() -> list[str]:
     return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
 
 
-def _write_vocab(folder: Path, pre: str) -> Path:
+def _write_vocab(folder: Path, pre: str, bos: bool = True) -> Path:
     """A byte-level vocabulary where every substring of up to 4 characters of TEXTS is a token with its merge:
     a piece of text merges across whatever boundary the pre-tokenizer did not cut, so ids show every cut."""
     chars = _byte_chars()
@@ -52,14 +52,15 @@ def _write_vocab(folder: Path, pre: str) -> Path:
                     tokens.append(piece)
                     merges.append(f"{piece[:-1]} {piece[-1]}")
     tokens.append("<|endoftext|>")
-    path = folder / f"vocab-{pre}.gguf"
+    path = folder / f"vocab-{pre}-{bos}.gguf"
     writer = gguf.GGUFWriter(path, "gpt2")
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types([gguf.TokenType.NORMAL] * (len(tokens) - 1) + [gguf.TokenType.CONTROL])
     writer.add_token_merges(merges)
-    writer.add_bos_token_id(len(tokens) - 1)
+    if bos:
+        writer.add_bos_token_id(len(tokens) - 1)
     writer.add_eos_token_id(len(tokens) - 1)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -104,3 +105,19 @@ def test_ollama_gpt_oss_files_split_as_gpt_4o(tmp_path: Path) -> None:
     for text in TEXTS:
         assert as_ollama_gpt_oss.encode(text) == gpt_4o.encode(text), text
     assert any(as_llama.encode(text) != gpt_4o.encode(text) for text in TEXTS)  # the names do differ
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("pre", ["chatglm-bpe", "glm4"])
+def test_glm_has_no_bos_unless_the_file_names_one(tmp_path: Path, pre: str) -> None:
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    for bos in (False, True):
+        path = _write_vocab(tmp_path, pre, bos=bos)
+        tok = from_gguf(path)
+        assert (tok.bos_id is not None) == bos
+        llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+        try:
+            for text in TEXTS[:4]:
+                assert tok.encode(text) == llm.tokenize(text.encode(), add_bos=True, special=True), (pre, bos)
+        finally:
+            llm.close()

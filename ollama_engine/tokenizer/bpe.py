@@ -97,6 +97,8 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     **dict.fromkeys(("bailingmoe", "bailingmoe2", "llada-moe"), PreTokenizer((_BAILINGMOE,), clean_spaces=False)),
     **dict.fromkeys(("trillion", "granite-docling"), PreTokenizer((_GPT2,), clean_spaces=False)),
     **dict.fromkeys(("hunyuan", "solar-open", "grok-2"), PreTokenizer((_QWEN2,), clean_spaces=False)),
+    "chatglm-bpe": PreTokenizer((_LLAMA3,)),
+    **dict.fromkeys(("glm4", "glm5"), PreTokenizer((_LLAMA3,), ignore_merges=True)),
 }
 
 

@@ -155,6 +155,8 @@ class Vocabulary:
         n = len(self.tokens)
         ids: dict[str, int | None] = dict.fromkeys(_ID_KEYS)
         ids.update({k: v if v is not None and v < n else None for k, v in _DEFAULT_IDS[self.model].items()})
+        if self.pre in ("chatglm-bpe", "glm4", "glm5"):
+            ids["bos"] = None  # llama.cpp: GLM has no BOS unless the file names one
         for name, key in _ID_KEYS.items():
             value = metadata.get(key)
             if value is not None and 0 <= int(value) < n:  # out-of-range ids keep the default, as llama.cpp
