@@ -15,7 +15,7 @@ import mmap
 import os
 import struct
 from dataclasses import dataclass, field
-from enum import Enum, IntEnum
+from enum import IntEnum
 from pathlib import Path
 from typing import Any
 
@@ -125,38 +125,6 @@ _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 
 
-class Conversion(Enum):
-    """How a tensor's bytes in the file differ from what ggml computes with, converted at load.
-
-    Ollama's gpt-oss files of August to October 2025 (its runtime converts both at load, ml/backend/ggml):
-    MXFP4 experts under the retired type id 4 with each block's nibbles in OpenAI's order (byte i holds
-    elements 2i and 2i + 1; ggml's MXFP4 wants elements j and j + 16), and the experts' biases in BF16
-    (ggml's add_id adds F32 only). value: (file bytes, ggml bytes) per block of the same elements.
-    """
-
-    OPENAI_MXFP4 = (17, 17)
-    BF16_TO_F32 = (2, 4)
-
-    def ggml_bytes(self, n_bytes: int) -> int:
-        """The ggml size of n_bytes of the file's (whole blocks)."""
-        file_block, ggml_block = self.value
-        return n_bytes // file_block * ggml_block
-
-    def convert(self, raw: np.ndarray) -> np.ndarray:
-        """The ggml bytes (uint8) of whole blocks of the file's bytes `raw` (uint8)."""
-        if self is Conversion.BF16_TO_F32:  # a BF16 is the top half of the F32 of the same value
-            return (raw.view("<u2").astype("<u4") << 16).view(np.uint8)
-        blocks = raw.reshape(-1, 17)  # the E8M0 scale, then 16 bytes of two 4-bit elements each
-        elements = np.stack((blocks[:, 1:] & 0x0F, blocks[:, 1:] >> 4), axis=-1).reshape(-1, 32)
-        out = np.empty_like(blocks)
-        out[:, 0] = blocks[:, 0]
-        out[:, 1:] = elements[:, :16] | (elements[:, 16:] << 4)
-        return out.reshape(-1)
-
-
-OLLAMA_MXFP4_TYPE = 4  # ggml's retired Q4_2 id, Ollama's MXFP4 from August 2025 until ggml had type 39
-
-
 class GGUFError(ValueError):
     """A file that is not a GGUF model this engine can read; the message names the file."""
 
@@ -164,16 +132,10 @@ class GGUFError(ValueError):
 @dataclass(frozen=True)
 class TensorInfo:
     name: str
-    ggml_type: GGMLQuantizationType  # what ggml computes with (see conversion)
+    ggml_type: GGMLQuantizationType
     shape: tuple[int, ...]  # ggml order: shape[0] (ne0) varies fastest, as stored in the file
     offset: int  # absolute offset of the tensor's data in the file
-    n_bytes: int  # in the file
-    conversion: Conversion | None = None  # the file's bytes become ggml_type's at load
-
-    @property
-    def ggml_bytes(self) -> int:
-        """The size in ggml_type: what the tensor takes once loaded."""
-        return self.n_bytes if self.conversion is None else self.conversion.ggml_bytes(self.n_bytes)
+    n_bytes: int
 
     @property
     def n_elements(self) -> int:
@@ -373,7 +335,7 @@ class _Parser:
         data_offset = -(-self.pos // alignment) * alignment
 
         tensors: dict[str, TensorInfo] = {}
-        for name, ggml_type, shape, relative_offset, n_bytes, conversion in infos:
+        for name, ggml_type, shape, relative_offset, n_bytes in infos:
             if name in tensors:
                 raise self.error(f"duplicate tensor name {name!r}")
             start = data_offset + relative_offset
@@ -382,7 +344,7 @@ class _Parser:
                     f"tensor {name!r} data (bytes {start}..{start + n_bytes}) extends past the end of the "
                     f"file ({self.size} bytes): the file is truncated or corrupt"
                 )
-            tensors[name] = TensorInfo(name, ggml_type, shape, start, n_bytes, conversion)
+            tensors[name] = TensorInfo(name, ggml_type, shape, start, n_bytes)
         self.check_overlaps(tensors.values())
         return GGUFFile(self.path, version, metadata, value_types, tensors, alignment, data_offset, self.size)
 
@@ -408,9 +370,7 @@ class _Parser:
             raise self.error(f"corrupt metadata: general.alignment {alignment} is not a power of two")
         return alignment
 
-    def tensor_info(
-        self, alignment: int
-    ) -> tuple[str, GGMLQuantizationType, tuple[int, ...], int, int, Conversion | None]:
+    def tensor_info(self, alignment: int) -> tuple[str, GGMLQuantizationType, tuple[int, ...], int, int]:
         name = self.string("a tensor name")
         if not name or len(name.encode()) >= MAX_NAME:
             raise self.error(f"tensor name {name[:MAX_NAME]!r}: must be 1 to {MAX_NAME - 1} bytes long")
@@ -424,9 +384,8 @@ class _Parser:
             raise self.error(f"tensor {name!r}: shape {shape} has more elements than ggml can count (int64)")
         raw_type = self.u32()
         relative_offset = self.u64()
-        conversion = Conversion.OPENAI_MXFP4 if raw_type == OLLAMA_MXFP4_TYPE else None
         try:
-            ggml_type = GGMLQuantizationType.MXFP4 if conversion is not None else GGMLQuantizationType(raw_type)
+            ggml_type = GGMLQuantizationType(raw_type)
         except ValueError as e:
             raise self.error(f"tensor {name!r} has unknown ggml type id {raw_type}") from e
         if ggml_type not in SUPPORTED_TYPES:
@@ -440,6 +399,4 @@ class _Parser:
         if relative_offset % alignment:
             raise self.error(f"tensor {name!r}: data offset {relative_offset} is not aligned to {alignment}")
         n_bytes = math.prod(shape) // block_size * type_size
-        if ggml_type == GGMLQuantizationType.BF16 and name.endswith("_exps.bias"):
-            ggml_type, conversion = GGMLQuantizationType.F32, Conversion.BF16_TO_F32
-        return name, ggml_type, shape, relative_offset, n_bytes, conversion
+        return name, ggml_type, shape, relative_offset, n_bytes
