@@ -376,6 +376,36 @@ def test_loop_inbox_wakes_the_event_loop_once_per_burst_and_keeps_the_order():
     assert wakeups == [1, 2]
 
 
+def test_loop_inbox_holds_a_step_and_wakes_the_event_loop_once_for_it():
+    """What is put within hold() waits for its end, even with the event loop free to drain meanwhile."""
+
+    async def run() -> tuple[list[int], int, int]:
+        counter = CountingLoop(asyncio.get_running_loop())
+        received: list[int] = []
+        done = asyncio.Event()
+        queued = threading.Event()
+
+        def step() -> None:
+            with counter.inbox.hold():
+                for i in range(4):
+                    counter.put(received.append, i)
+                queued.set()
+                time.sleep(0.05)  # the event loop is free here: nothing may reach it yet
+                counter.put(lambda _: done.set(), None)
+
+        thread = threading.Thread(target=step)
+        thread.start()
+        await asyncio.to_thread(queued.wait)
+        await asyncio.sleep(0.02)
+        early = len(received)
+        await asyncio.wait_for(done.wait(), 5)
+        thread.join()
+        return received, early, counter.wakeups
+
+    received, early, wakeups = asyncio.run(run())
+    assert received == [0, 1, 2, 3] and early == 0 and wakeups == 1
+
+
 def test_loop_inbox_under_contention_keeps_the_order_and_never_wakes_for_nothing():
     """With the event loop free to drain mid-burst, every item still arrives once, in order."""
 

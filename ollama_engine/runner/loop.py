@@ -18,6 +18,7 @@ whose slot is full is shifted (or ended with DoneReason.LENGTH if the request fo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -63,6 +64,8 @@ class Runner:
         self.cond = threading.Condition()
         self.seqs: list[Sequence | None] = [None] * loaded.parallel
         self.next_seq = 0
+        self.hold_output: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+        """Wraps a step's sampling: the server may hold the sinks' items and hand them over at once."""
         self.closing = False
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self._builder = threading.Thread(target=self._run, name="batch-builder", daemon=True)
@@ -242,7 +245,7 @@ class Runner:
             if logits is not None:  # a copy: the batch builder may compute a cache shift while we sample
                 logits = logits.copy()
             now = time.monotonic()
-            with self.cond:
+            with self.cond, self.hold_output():
                 for index, (placeholder, row) in placeholders.items():
                     seq = self.seqs[index]
                     if seq is not None and seq is state.seqs[index]:
