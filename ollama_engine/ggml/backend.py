@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import logging
 import os
@@ -240,13 +241,15 @@ def collapse_huge_pages(address: int, size: int) -> bool:
     """Move written pages onto 2 MiB pages (MADV_COLLAPSE; the GIL is released meanwhile).
 
     Faulting a fresh buffer in on huge pages costs the load up to 4 ms of compaction per page (1.8 s of
-    system time for a 1B model); collapsing once loaded moves that cost off the time to ready. False
-    where the kernel cannot (before 6.1: EINVAL; no huge page to be had: ENOMEM, EAGAIN).
+    system time for a 1B model); collapsing once loaded moves that cost off the time to ready. True when
+    the caller may go on: done, or a page busy for a moment (EAGAIN, left on 4 KiB pages); False where
+    the kernel cannot (before 6.1: EINVAL) or has no huge page to give (ENOMEM).
     """
     if _libc().madvise(ctypes.c_void_p(address), ctypes.c_size_t(size), MADV_COLLAPSE) == 0:
         return True
-    _log.debug("MADV_COLLAPSE failed: %s", os.strerror(ctypes.get_errno()))
-    return False
+    error = ctypes.get_errno()
+    _log.debug("MADV_COLLAPSE failed: %s", os.strerror(error))
+    return error == errno.EAGAIN
 
 
 def release_free_heap() -> None:
