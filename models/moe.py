@@ -9,7 +9,9 @@ expert's input instead of its output (Routing.weight_before_ffn). DeepSeek V3 ad
 (exp_probs_b) to the probabilities that pick the experts, not to their weights, and may first keep only
 the expert groups whose two best experts score highest (Routing.groups). Shared experts are plain FFNs
 that the models add themselves. The expert weights are ordinary layer tensors (blk.N.ffn_*_exps), so the memory
-report counts them with their layer.
+report counts them with their layer. Ollama's gpt-oss files of August to October 2025 fuse gate and up into one
+stack (ffn_gate_up_exps, rows interleaved as OpenAI's checkpoint has them: gate row k is row 2k, up row k is
+row 2k + 1): one mul_mat_id, then the gate and up halves taken out of its result, as Ollama's gptoss model.
 """
 
 from __future__ import annotations
@@ -40,13 +42,18 @@ class Experts:
     router_bias: Tensor | None = weight("ffn_gate_inp.bias", optional=True)
     gate: Tensor | None = weight("ffn_gate_exps.weight", optional=True)  # None: ungated (nomic-bert-moe)
     gate_bias: Tensor | None = weight("ffn_gate_exps.bias", optional=True)
-    up: Tensor = weight("ffn_up_exps.weight")
+    up: Tensor | None = weight("ffn_up_exps.weight", optional=True)  # None: fused in gate_up
     up_bias: Tensor | None = weight("ffn_up_exps.bias", optional=True)
     down: Tensor = weight("ffn_down_exps.weight")
     down_bias: Tensor | None = weight("ffn_down_exps.bias", optional=True)
-    # DeepSeek V3's; last and defaulted, so that Experts built by hand (tests) may leave it out
+    # DeepSeek V3's, and Ollama's fused gate and up (interleaved rows); last and defaulted, so that Experts
+    # built by hand (tests) may leave them out
     selection_bias: Tensor | None = dataclasses.field(
         default=None, metadata={"gguf": "exp_probs_b.bias", "optional": True})
+    gate_up: Tensor | None = dataclasses.field(
+        default=None, metadata={"gguf": "ffn_gate_up_exps.weight", "optional": True})
+    gate_up_bias: Tensor | None = dataclasses.field(
+        default=None, metadata={"gguf": "ffn_gate_up_exps.bias", "optional": True})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,14 +86,17 @@ class Routing:
 def bind_experts(backend: Backend, layer: int, routing: Routing, n_embd: int, gated: bool = True) -> Experts:
     """Layer `layer`'s experts, their shapes checked against the routing and the embedding length: ggml
     aborts on an expert id beyond a stack (mul_mat_id, add_id, get_rows) and on a stack that is not 3-d.
-    gated=False: the architecture's experts have no gate (nomic-bert-moe); otherwise the gate is required."""
+    gated=False: the architecture's experts have no gate (nomic-bert-moe); otherwise gate and up, or both
+    fused in gate_up, are required."""
     experts = bind(Experts, backend, f"blk.{layer}.")
-    if gated and experts.gate is None:
-        raise ModelError(f"model is missing required tensor blk.{layer}.ffn_gate_exps.weight")
-    n_ff, e = (experts.up.shape + (-1,))[1], routing.n_expert
+    required = () if gated and experts.gate_up is not None else ("gate", "up") if gated else ("up",)
+    for name in required:
+        if getattr(experts, name) is None:
+            raise ModelError(f"model is missing required tensor blk.{layer}.ffn_{name}_exps.weight")
+    n_ff, e = (experts.down.shape + (-1,))[0], routing.n_expert
     expected = {"router": (n_embd, e), "router_bias": (e,), "gate": (n_embd, n_ff, e), "gate_bias": (n_ff, e),
                 "up": (n_embd, n_ff, e), "up_bias": (n_ff, e), "down": (n_ff, n_embd, e), "down_bias": (n_embd, e),
-                "selection_bias": (e,)}
+                "selection_bias": (e,), "gate_up": (n_embd, 2 * n_ff, e), "gate_up_bias": (2 * n_ff, e)}
     for field in dataclasses.fields(Experts):
         tensor = getattr(experts, field.name)
         if tensor is not None and tensor.shape != expected[field.name]:
@@ -136,12 +146,17 @@ def moe(x: Tensor, experts: Experts, routing: Routing, layer: int, activation: A
     x = x.reshape(n_embd, 1, n)
     if r.weight_before_ffn:
         x = x.repeat_to(n_embd, r.n_used, n).mul(weights).set_name(f"ffn_moe_weighted-{layer}")
-    up = _biased(experts.up.matmul_id(x, selected), experts.up_bias, selected, f"ffn_moe_up-{layer}")
-    if experts.gate is None:  # ungated experts: the activation of up alone (nomic-bert-moe)
-        hidden = activation(up, None)
+    if experts.gate_up is not None:  # Ollama's fused gate and up
+        gate, up = _gate_up(x, experts, selected, layer)
+        hidden = activation(gate, up)
     else:
-        gate = _biased(experts.gate.matmul_id(x, selected), experts.gate_bias, selected, f"ffn_moe_gate-{layer}")
-        hidden = activation(gate, up)  # (n_ff, n_used, n)
+        up = _biased(experts.up.matmul_id(x, selected), experts.up_bias, selected, f"ffn_moe_up-{layer}")
+        if experts.gate is None:  # ungated experts: the activation of up alone (nomic-bert-moe)
+            hidden = activation(up, None)
+        else:
+            gate = _biased(experts.gate.matmul_id(x, selected), experts.gate_bias, selected,
+                           f"ffn_moe_gate-{layer}")
+            hidden = activation(gate, up)  # (n_ff, n_used, n)
     out = _biased(experts.down.matmul_id(hidden, selected), experts.down_bias, selected, f"ffn_moe_down-{layer}")
     if not r.weight_before_ffn:
         out = out.mul(weights).set_name(f"ffn_moe_weighted-{layer}")  # (n_embd, n_used, n)
@@ -152,6 +167,21 @@ def moe(x: Tensor, experts: Experts, routing: Routing, layer: int, activation: A
         total = part if total is None else total.add(part)
     assert total is not None
     return (total.contiguous() if r.n_used == 1 else total).set_name(f"ffn_moe_out-{layer}")
+
+
+def _gate_up(x: Tensor, experts: Experts, selected: Tensor, layer: int) -> tuple[Tensor, Tensor]:
+    """gate and up (n_ff, n_used, n) from the fused stack, whose rows interleave them: the even elements
+    of each result row are the gate's, the odd ones the up's (Ollama's Slice(0, i, dim, 2))."""
+    fused = _biased(experts.gate_up.matmul_id(x, selected), experts.gate_up_bias, selected,
+                    f"ffn_moe_gate_up-{layer}")  # (2 n_ff, n_used, n)
+    n_ff, n_used, n = fused.ne[0] // 2, fused.ne[1], fused.ne[2]
+    pairs = fused.reshape(2, n_ff, n_used, n)
+
+    def half(i: int, name: str) -> Tensor:
+        return pairs.view(i * pairs.strides[0], (1, n_ff, n_used, n)).contiguous(n_ff, n_used, n).set_name(
+            f"{name}-{layer}")
+
+    return half(0, "ffn_moe_gate"), half(1, "ffn_moe_up")
 
 
 def _best_groups(selection: Tensor, r: Routing, layer: int) -> Tensor:

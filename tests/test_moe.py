@@ -8,19 +8,23 @@ tokens at every step.
 
 from __future__ import annotations
 
+import re
+import struct
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 from llama_reference import PROMPTS, compare_schedule
 from memory_checks import fitted_then_allocated
 
+from ollama_engine.fs.gguf_file import Conversion
 from ollama_engine.fs.synthetic import write_synthetic
 from ollama_engine.kvcache import Batch, cache_dtype
 from ollama_engine.ml import Backend
 from ollama_engine.models import load_model
 from ollama_engine.models.moe import Experts, Gating, Routing, moe
-from ollama_engine.runner.allocate import LoadParams
+from ollama_engine.runner.allocate import LoadParams, open_model
 
 TOLERANCE = 1e-4  # largest logprob difference; measured: see each test
 
@@ -181,13 +185,15 @@ def greedy_logits(path: Path, steps: int = 6) -> np.ndarray:
         model.close()
 
 
-@pytest.mark.parametrize("layout", ["ollama", "ollama-qkv"])
+@pytest.mark.parametrize("layout", ["ollama", "ollama-qkv", "ollama-2025-08"])
 def test_ollama_gpt_oss_files_match_llama_cpp_named_ones(synthetic, layout):
     """Ollama's own gpt-oss conversions (architecture "gptoss": attn_out, attn_sinks, ffn_norm, no
     rope.scaling.type as Ollama always applies YaRN; q, k and v fused in attn_qkv when converted from
-    OpenAI's original checkpoint) hold the same model as llama.cpp's: the same weights under both names
-    give identical logits. (llama.cpp cannot load Ollama's files; the llama.cpp-named one is checked
-    against llama.cpp above.) Measured: bit-identical."""
+    OpenAI's original checkpoint; the files it served from August 2025 also fuse gate and up with their rows
+    interleaved, store MXFP4 under type id 4 in OpenAI's nibble order and the experts' biases in BF16) hold
+    the same model as llama.cpp's: the same weights under both names give identical logits. (llama.cpp
+    cannot load Ollama's files; the llama.cpp-named one is checked against llama.cpp above.) Measured:
+    bit-identical."""
     from ollama_engine.models.gptoss import OllamaGptOss
 
     ours = synthetic("gpt-oss", "Q8_0", expert_type="MXFP4", layout=layout)
@@ -258,6 +264,124 @@ def test_fit_equals_alloc_and_inference_allocates_nothing_more(synthetic, arch):
         graphs.compute(Batch(positions=range(32), sequences=[1] * 32, outputs=[31], tokens=np.arange(32) + 200))
         for step in range(3):
             graphs.compute(Batch(positions=[32 + step] * 2, sequences=[0, 1], outputs=[0, 1], tokens=[7, 8]))
+
+
+def test_fit_equals_alloc_for_ollamas_august_2025_gpt_oss_files(synthetic):
+    """Ollama's gpt-oss files of August to October 2025 are converted at load (BF16 biases become F32,
+    twice their bytes in the file): the memory report counts what ggml holds, the llama.cpp-named file's."""
+    params = LoadParams(parallel=2, batch_size=32, kv_size=256, num_threads=1)
+    reference = open_model(str(synthetic("gpt-oss", "Q8_0", expert_type="MXFP4")), params, allocate=False)
+    try:
+        weights = reference.memory.cpu.weights
+    finally:
+        reference.close()
+    path = str(synthetic("gpt-oss", "Q8_0", expert_type="MXFP4", layout="ollama-2025-08"))
+    with fitted_then_allocated(path, params) as loaded:
+        assert loaded.memory.cpu.weights == weights
+        loaded.model.graphs.compute(Batch(positions=range(32), sequences=[0] * 32, outputs=[31],
+                                          tokens=np.arange(32) + 100))
+        loaded.model.graphs.compute(Batch(positions=[32, 0], sequences=[0, 1], outputs=[0, 1], tokens=[7, 8]))
+
+
+FP4_E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]  # OCP microscaling: sign, 2 exponent bits, 1 mantissa bit
+
+
+def test_openai_mxfp4_blocks_become_ggml_mxfp4():
+    """Type id 4's blocks (a scale byte 2^(s - 127), then byte i holding elements 2i (low nibble) and 2i + 1)
+    converted to ggml's MXFP4 dequantize to the values decoded by hand from OpenAI's order."""
+    rng = np.random.default_rng(11)
+    raw = rng.integers(0, 256, (40, 17), dtype=np.uint8)
+    raw[:, 0] = rng.integers(110, 140, 40)
+    expected = np.empty((40, 32))
+    for b, block in enumerate(raw):
+        for i, byte in enumerate(block[1:]):
+            for k, nibble in enumerate((byte & 0x0F, byte >> 4)):
+                value = FP4_E2M1[nibble & 7] * (-1.0 if nibble & 8 else 1.0)
+                expected[b, 2 * i + k] = value * 2.0 ** (int(block[0]) - 127)
+    converted = Conversion.OPENAI_MXFP4.convert(raw.reshape(-1))
+    assert converted.dtype == np.uint8 and converted.size == raw.size
+    ours = gguf.quants.dequantize(converted, gguf.GGMLQuantizationType.MXFP4)
+    np.testing.assert_array_equal(ours.reshape(40, 32), expected)
+
+
+def test_bf16_expert_biases_become_f32():
+    """A BF16 is sign, 8 exponent bits and 7 mantissa bits: decoded by hand, normal and subnormal."""
+    rng = np.random.default_rng(12)
+    bits = rng.integers(0, 1 << 16, 500, dtype=np.uint16)
+    bits = bits[(bits >> 7 & 0xFF) != 0xFF]  # no infinities or NaNs
+    sign = np.where(bits >> 15, -1.0, 1.0)
+    exponent, mantissa = (bits >> 7 & 0xFF).astype(int), (bits & 0x7F).astype(float)
+    expected = sign * np.where(exponent > 0, 2.0 ** (exponent - 127) * (1 + mantissa / 128),
+                               2.0 ** -126 * mantissa / 128)
+    ours = Conversion.BF16_TO_F32.convert(bits.view(np.uint8)).view("<f4")
+    np.testing.assert_array_equal(ours, expected)
+
+
+def test_august_2025_gpt_oss_file_holds_what_ollama_wrote(synthetic):
+    """Type ids 4 (MXFP4, OpenAI's order) and BF16 (the experts' biases) in the file, as Ollama's converter
+    wrote them; the reader reports what ggml gets (MXFP4, F32) and what the file holds (Ollama's `show`)."""
+    from ollama_engine.fs import GGUFFile
+
+    old = GGUFFile.open(synthetic("gpt-oss", "Q8_0", expert_type="MXFP4", layout="ollama-2025-08"))
+    tensors = ("blk.1.ffn_gate_up_exps.weight", "blk.1.ffn_gate_up_exps.bias", "blk.1.ffn_down_exps.weight",
+               "blk.1.ffn_down_exps.bias", "blk.1.attn_qkv.bias")
+    data = old.path.read_bytes()
+    found = []
+    for name in tensors:
+        at = _tensor_info(data, name)  # the type id follows the dimensions
+        raw_type = struct.unpack_from("<I", data, at + 4 + 8 * struct.unpack_from("<I", data, at)[0])[0]
+        found.append((raw_type, old.tensors[name].ggml_type.name, old.tensors[name].file_type.name))
+    assert found == [(4, "MXFP4", "MXFP4"), (30, "F32", "BF16"), (4, "MXFP4", "MXFP4"), (30, "F32", "BF16"),
+                     (0, "F32", "F32")]
+
+
+def _tensor_info(data: bytes, name: str) -> int:
+    """Where the tensor info of `name` has its dimension count in the GGUF bytes `data`."""
+    encoded = name.encode()
+    return data.index(struct.pack("<Q", len(encoded)) + encoded) + 8 + len(encoded)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ("shape", "blk.0.ffn_gate_up_exps.weight has shape [64, 64, 8], expected [64, 128, 8]"),
+    ("name", "missing required tensor blk.0.ffn_gate_exps.weight"),
+])
+def test_fused_gate_up_is_checked(synthetic, tmp_path, change, message):
+    """A fused gate_up of half its rows is refused (ggml would read past the stack), and gated experts with
+    neither gate nor gate_up are missing their gate."""
+    from ollama_engine.models.base import ModelError
+
+    data = bytearray(synthetic("gpt-oss", "Q8_0", expert_type="MXFP4", layout="ollama-2025-08").read_bytes())
+    at = _tensor_info(data, "blk.0.ffn_gate_up_exps.weight")
+    if change == "shape":
+        struct.pack_into("<Q", data, at + 4 + 8, 64)  # dimension 1: 2 n_ff -> n_ff
+    else:
+        data[at - 1:at] = b"x"  # blk.0.ffn_gate_up_exps.weighx
+    path = tmp_path / "case.gguf"
+    path.write_bytes(data)
+    with pytest.raises(ModelError, match=re.escape(message)):
+        load_model(path, allocate=False).close()
+
+
+def test_august_2025_gpt_oss_file_loads_in_chunks_as_ggml_holds_it(synthetic, monkeypatch):
+    """Backend.load converts a chunk of whole blocks at a time (repacked weights whole): with chunks of
+    under 1000 bytes and the plain layout, every weight holds the bytes the llama.cpp-named file has."""
+    from ollama_engine.fs import GGUFFile
+    from ollama_engine.ml import backend as backend_module
+
+    monkeypatch.setattr(backend_module, "LOAD_CHUNK", 1000)
+    old = GGUFFile.open(synthetic("gpt-oss", "Q8_0", expert_type="MXFP4", layout="ollama-2025-08"))
+    new = GGUFFile.open(synthetic("gpt-oss", "Q8_0", expert_type="MXFP4"))
+    with Backend(old, allocate=True, repack_weights=False) as backend:
+        backend.load()
+        for suffix in ("weight", "bias"):
+            fused = backend.get(f"blk.0.ffn_gate_up_exps.{suffix}").numpy().tobytes()
+            info = old.tensors[f"blk.0.ffn_gate_up_exps.{suffix}"]
+            assert len(fused) == info.ggml_bytes > 1000
+            halves = [np.asarray(new.tensor_data(f"blk.0.ffn_{part}_exps.{suffix}")).reshape(
+                info.shape[-1], info.shape[-2] // 2, -1) for part in ("gate", "up")]
+            assert fused == np.stack(halves, axis=2).tobytes()
+            down = backend.get(f"blk.0.ffn_down_exps.{suffix}").numpy().tobytes()
+            assert down == np.asarray(new.tensor_data(f"blk.0.ffn_down_exps.{suffix}")).tobytes()
 
 
 def test_expert_weights_are_counted_in_their_layer(synthetic):

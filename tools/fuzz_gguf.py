@@ -170,8 +170,8 @@ class Model:
         metadata = {k: (int(vt), None if et is None else int(et), f.metadata[k])
                     for k, (vt, et) in f.value_types.items()}
         raw = path.read_bytes()
-        tensors = [Tensor(t.name, int(t.ggml_type), list(t.shape), raw[t.offset:t.offset + t.n_bytes])
-                   for t in f.tensors.values()]
+        tensors = [Tensor(t.name, int(t.ggml_type) if t.conversion is None else t.conversion.file_type_id,
+                          list(t.shape), raw[t.offset:t.offset + t.n_bytes]) for t in f.tensors.values()]
         model = cls(metadata, tensors, f.alignment)
         model.encoded = {key: (entry, _kv_bytes(key, entry)) for key, entry in metadata.items()}
         return model

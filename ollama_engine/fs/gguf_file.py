@@ -15,7 +15,7 @@ import mmap
 import os
 import struct
 from dataclasses import dataclass, field
-from enum import IntEnum
+from enum import Enum, IntEnum
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +125,52 @@ _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 
 
+class Conversion(Enum):
+    """How a tensor's bytes in the file differ from what ggml computes with, converted at load.
+
+    Ollama's gpt-oss files of August to October 2025 (its runtime converts both at load, ml/backend/ggml):
+    MXFP4 experts under the retired type id 4 with each block's nibbles in OpenAI's order (byte i holds
+    elements 2i and 2i + 1; ggml's MXFP4 wants elements j and j + 16), and the experts' biases in BF16
+    (ggml's add_id adds F32 only). value: (the file's type id, what it means, the type ggml gets).
+    """
+
+    OPENAI_MXFP4 = (4, GGMLQuantizationType.MXFP4, GGMLQuantizationType.MXFP4)
+    BF16_TO_F32 = (GGMLQuantizationType.BF16, GGMLQuantizationType.BF16, GGMLQuantizationType.F32)
+
+    @property
+    def file_type_id(self) -> int:
+        return int(self.value[0])
+
+    @property
+    def file_type(self) -> GGMLQuantizationType:
+        """The type the file holds (Ollama's `show` names it): its block size is the file's."""
+        return self.value[1]
+
+    @property
+    def ggml_type(self) -> GGMLQuantizationType:
+        return self.value[2]
+
+    @property
+    def file_block(self) -> int:
+        """Bytes in the file per block of the same elements in ggml_type."""
+        return GGML_QUANT_SIZES[self.file_type][1]
+
+    def ggml_bytes(self, n_bytes: int) -> int:
+        """The ggml size of n_bytes of the file's (whole blocks)."""
+        return n_bytes // self.file_block * GGML_QUANT_SIZES[self.ggml_type][1]
+
+    def convert(self, raw: np.ndarray) -> np.ndarray:
+        """The ggml bytes (uint8) of whole blocks of the file's bytes `raw` (uint8)."""
+        if self is Conversion.BF16_TO_F32:  # a BF16 is the top half of the F32 of the same value
+            return (raw.view("<u2").astype("<u4") << 16).view(np.uint8)
+        blocks = raw.reshape(-1, 17)  # the E8M0 scale, then 16 bytes of two 4-bit elements each
+        elements = np.stack((blocks[:, 1:] & 0x0F, blocks[:, 1:] >> 4), axis=-1).reshape(-1, 32)
+        out = np.empty_like(blocks)
+        out[:, 0] = blocks[:, 0]
+        out[:, 1:] = elements[:, :16] | (elements[:, 16:] << 4)
+        return out.reshape(-1)
+
+
 class GGUFError(ValueError):
     """A file that is not a GGUF model this engine can read; the message names the file."""
 
@@ -132,10 +178,21 @@ class GGUFError(ValueError):
 @dataclass(frozen=True)
 class TensorInfo:
     name: str
-    ggml_type: GGMLQuantizationType
+    ggml_type: GGMLQuantizationType  # what ggml computes with (see conversion)
     shape: tuple[int, ...]  # ggml order: shape[0] (ne0) varies fastest, as stored in the file
     offset: int  # absolute offset of the tensor's data in the file
-    n_bytes: int
+    n_bytes: int  # in the file
+    conversion: Conversion | None = None  # the file's bytes become ggml_type's at load
+
+    @property
+    def ggml_bytes(self) -> int:
+        """The size in ggml_type: what the tensor takes once loaded."""
+        return self.n_bytes if self.conversion is None else self.conversion.ggml_bytes(self.n_bytes)
+
+    @property
+    def file_type(self) -> GGMLQuantizationType:
+        """The type the file holds: ggml_type's unless converted at load."""
+        return self.ggml_type if self.conversion is None else self.conversion.file_type
 
     @property
     def n_elements(self) -> int:
@@ -335,7 +392,7 @@ class _Parser:
         data_offset = -(-self.pos // alignment) * alignment
 
         tensors: dict[str, TensorInfo] = {}
-        for name, ggml_type, shape, relative_offset, n_bytes in infos:
+        for name, ggml_type, shape, relative_offset, n_bytes, conversion in infos:
             if name in tensors:
                 raise self.error(f"duplicate tensor name {name!r}")
             start = data_offset + relative_offset
@@ -344,7 +401,7 @@ class _Parser:
                     f"tensor {name!r} data (bytes {start}..{start + n_bytes}) extends past the end of the "
                     f"file ({self.size} bytes): the file is truncated or corrupt"
                 )
-            tensors[name] = TensorInfo(name, ggml_type, shape, start, n_bytes)
+            tensors[name] = TensorInfo(name, ggml_type, shape, start, n_bytes, conversion)
         self.check_overlaps(tensors.values())
         return GGUFFile(self.path, version, metadata, value_types, tensors, alignment, data_offset, self.size)
 
@@ -370,7 +427,9 @@ class _Parser:
             raise self.error(f"corrupt metadata: general.alignment {alignment} is not a power of two")
         return alignment
 
-    def tensor_info(self, alignment: int) -> tuple[str, GGMLQuantizationType, tuple[int, ...], int, int]:
+    def tensor_info(
+        self, alignment: int
+    ) -> tuple[str, GGMLQuantizationType, tuple[int, ...], int, int, Conversion | None]:
         name = self.string("a tensor name")
         if not name or len(name.encode()) >= MAX_NAME:
             raise self.error(f"tensor name {name[:MAX_NAME]!r}: must be 1 to {MAX_NAME - 1} bytes long")
@@ -384,8 +443,9 @@ class _Parser:
             raise self.error(f"tensor {name!r}: shape {shape} has more elements than ggml can count (int64)")
         raw_type = self.u32()
         relative_offset = self.u64()
+        conversion = Conversion.OPENAI_MXFP4 if raw_type == Conversion.OPENAI_MXFP4.file_type_id else None
         try:
-            ggml_type = GGMLQuantizationType(raw_type)
+            ggml_type = GGMLQuantizationType.MXFP4 if conversion is not None else GGMLQuantizationType(raw_type)
         except ValueError as e:
             raise self.error(f"tensor {name!r} has unknown ggml type id {raw_type}") from e
         if ggml_type not in SUPPORTED_TYPES:
@@ -399,4 +459,7 @@ class _Parser:
         if relative_offset % alignment:
             raise self.error(f"tensor {name!r}: data offset {relative_offset} is not aligned to {alignment}")
         n_bytes = math.prod(shape) // block_size * type_size
-        return name, ggml_type, shape, relative_offset, n_bytes
+        if ggml_type == GGMLQuantizationType.BF16 and name.endswith("_exps.bias"):
+            conversion = Conversion.BF16_TO_F32
+            ggml_type = conversion.ggml_type
+        return name, ggml_type, shape, relative_offset, n_bytes, conversion

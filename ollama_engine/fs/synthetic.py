@@ -26,7 +26,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, MODEL_TENSOR, TENSOR_NAMES, GGMLQuantizationType, GGUFValueType
 
 from ollama_engine import paths
-from ollama_engine.fs.gguf_file import GGUFFile
+from ollama_engine.fs.gguf_file import Conversion, GGUFFile
 
 ARCHITECTURES = (
     "llama", "qwen2", "qwen3", "bert", "gemma2", "gemma3", "qwen3moe", "nomic-bert", "phi3", "olmo2", "mistral3",
@@ -115,7 +115,9 @@ class ModelSpec:
     yarn_log_mul: float | None = None  # rope.scaling.yarn_log_multiplier (mistral3)
     attn_temperature_scale: float | None = None  # attention.temperature_scale (mistral3, Llama 4's scaling)
     layout: str = "llama.cpp"  # gpt-oss: "ollama" (Ollama's converter: architecture "gptoss", its tensor names,
-    # no rope.scaling.type) or "ollama-qkv" (and q, k, v fused, as it converts OpenAI's original checkpoint)
+    # no rope.scaling.type), "ollama-qkv" (and q, k, v fused, as it converts OpenAI's original checkpoint) or
+    # "ollama-2025-08" (and, as its files of August to October 2025: gate and up fused with interleaved rows in
+    # ffn_gate_up_exps, MXFP4 experts under type id 4 in OpenAI's nibble order, the experts' biases in BF16)
     mla: MLASpec | None = None  # deepseek2 only
     name: str = "synthetic"
 
@@ -487,7 +489,7 @@ def write_synthetic(
     n_vocab = len(tokenizer["tokenizer.ggml.tokens"][0])
     tensors = list(_tensor_plan(spec, n_vocab, qtype))
     if spec.layout != "llama.cpp":
-        tensors = list(_ollama_gpt_oss(tensors, fuse_qkv=spec.layout == "ollama-qkv"))
+        tensors = list(_ollama_gpt_oss(tensors, fuse_qkv=spec.layout != "ollama", old=spec.layout == "ollama-2025-08"))
     arch = "gptoss" if spec.layout != "llama.cpp" else spec.arch  # Ollama's architecture name
 
     path = Path(path)
@@ -499,7 +501,7 @@ def write_synthetic(
                 writer.add_key_value(key, value, vtype, etype)
             for t in tensors:
                 shape = t.shape[::-1]  # numpy order; the writer stores it reversed
-                writer.add_tensor_info(t.name, shape, np.dtype(np.float32), t.n_bytes, raw_dtype=t.qtype)
+                writer.add_tensor_info(t.name, shape, np.dtype(np.float32), t.n_bytes, raw_dtype=t.file_type_id)
             writer.write_header_to_file()
             writer.write_kv_data_to_file()
             writer.write_ti_data_to_file()
@@ -519,19 +521,26 @@ class _Tensor:
     kind: str  # "matrix", "table" (a matrix kept F32), "norm", "bias" or "rope_freqs"
     qtype: GGMLQuantizationType
     parts: tuple[_Tensor, ...] = ()  # a fused tensor's: their data concatenated along its last dimension
+    interleave: bool = False  # the parts' rows (dimension 1 from the end) alternate instead
+    conversion: Conversion | None = None  # stored in the file as Ollama's older files store it
+
+    @property
+    def file_type_id(self) -> int:
+        return int(self.qtype) if self.conversion is None else self.conversion.file_type_id
 
     @property
     def n_bytes(self) -> int:
-        block_size, type_size = GGML_QUANT_SIZES[self.qtype]
+        block_size, type_size = GGML_QUANT_SIZES[self.qtype if self.conversion is None else self.conversion.file_type]
         return math.prod(self.shape) // block_size * type_size
 
 
 def _check(spec: ModelSpec) -> None:
     if spec.embedding_type is not None and spec.embedding_type not in WEIGHT_TYPES:
         raise ValueError(f"unknown embedding type {spec.embedding_type!r}: choose one of {tuple(WEIGHT_TYPES)}")
-    if spec.layout not in ("llama.cpp", "ollama", "ollama-qkv") or (
+    if spec.layout not in ("llama.cpp", "ollama", "ollama-qkv", "ollama-2025-08") or (
             spec.layout != "llama.cpp" and spec.arch != "gpt-oss"):
-        raise ValueError(f"{spec.name}: layout {spec.layout!r}: llama.cpp, or ollama or ollama-qkv for gpt-oss")
+        raise ValueError(f"{spec.name}: layout {spec.layout!r}: llama.cpp, or ollama, ollama-qkv or "
+                         "ollama-2025-08 for gpt-oss")
     if spec.expert_type is not None and spec.expert_type not in WEIGHT_TYPES:
         raise ValueError(f"unknown expert type {spec.expert_type!r}: choose one of {tuple(WEIGHT_TYPES)}")
     if spec.arch not in ARCHITECTURES:
@@ -737,22 +746,38 @@ def _gpt_oss_tensors(tensor, spec: ModelSpec) -> Iterator[_Tensor]:
         yield tensor(MODEL_TENSOR.FFN_UP_EXP, "bias", (n_ff, n_expert), "bias", i)
 
 
-def _ollama_gpt_oss(tensors: list[_Tensor], fuse_qkv: bool) -> Iterator[_Tensor]:
+def _ollama_gpt_oss(tensors: list[_Tensor], fuse_qkv: bool, old: bool) -> Iterator[_Tensor]:
     """gpt-oss's tensors as Ollama's converter names them (model/models/gptoss in Ollama), with the same
-    data: attn_out, attn_sinks, ffn_norm; with fuse_qkv, q, k and v (and their biases) in one attn_qkv."""
+    data: attn_out, attn_sinks, ffn_norm; with fuse_qkv, q, k and v (and their biases) in one attn_qkv.
+    old: as its files of August to October 2025 (convert_gptoss.go before its commit 59412fbb4): gate and
+    up (and their biases) in one ffn_gate_up_exps with their rows interleaved (gate row k is row 2k, up
+    row k row 2k + 1), MXFP4 experts in OpenAI's nibble order under type id 4, the experts' biases BF16."""
     renames = {".attn_output.": ".attn_out.", ".attn_sinks.weight": ".attn_sinks",
                ".post_attention_norm.": ".ffn_norm."}
     by_name = {t.name: t for t in tensors}
     for t in tensors:
         name = t.name
-        for old, new in renames.items():
-            name = name.replace(old, new)
+        for before, after in renames.items():
+            name = name.replace(before, after)
+        conversion = _old_conversion(t) if old else None
         if fuse_qkv and ".attn_q." in name:
             parts = tuple(by_name[name.replace(".attn_q.", f".attn_{p}.")] for p in "qkv")
             shape = (*t.shape[:-1], sum(p.shape[-1] for p in parts))
             yield _Tensor(name.replace(".attn_q.", ".attn_qkv."), shape, t.kind, t.qtype, parts)
-        elif not (fuse_qkv and (".attn_k." in name or ".attn_v." in name)):
-            yield dataclasses.replace(t, name=name, parts=(t,))  # data seeded by the llama.cpp name
+        elif old and ".ffn_gate_exps." in name:
+            parts = (t, by_name[t.name.replace(".ffn_gate_exps.", ".ffn_up_exps.")])
+            shape = (*t.shape[:-2], 2 * t.shape[-2], t.shape[-1])
+            yield _Tensor(name.replace(".ffn_gate_exps.", ".ffn_gate_up_exps."), shape, t.kind, t.qtype, parts,
+                          interleave=True, conversion=conversion)
+        elif not (fuse_qkv and (".attn_k." in name or ".attn_v." in name)) and not (old and ".ffn_up_exps." in name):
+            yield dataclasses.replace(t, name=name, parts=(t,), conversion=conversion)  # seeded by the llama.cpp name
+
+
+def _old_conversion(t: _Tensor) -> Conversion | None:
+    """How Ollama's gpt-oss files of August to October 2025 store the tensor, where not as ggml has it."""
+    if "_exps.bias" in t.name:
+        return Conversion.BF16_TO_F32
+    return Conversion.OPENAI_MXFP4 if "_exps." in t.name and t.qtype == GGMLQuantizationType.MXFP4 else None
 
 
 def _deepseek2_tensors(tensor, spec: ModelSpec) -> Iterator[_Tensor]:
@@ -918,9 +943,33 @@ def _tokenizer_values(spec: ModelSpec) -> dict[str, tuple[Any, GGUFValueType, GG
 
 
 def _generate(t: _Tensor, spec: ModelSpec, seed: int) -> np.ndarray:
-    """The tensor's data, encoded in its type, as the array GGUFWriter writes."""
+    """The tensor's data, encoded in its type (converted as the file stores it), as GGUFWriter writes it."""
     if t.parts:
-        return np.concatenate([_generate(part, spec, seed).view(np.uint8).reshape(-1) for part in t.parts])
+        parts = [_generate(part, spec, seed).view(np.uint8) for part in t.parts]
+        if t.interleave:  # (outer, rows, row bytes) each; row r of part p becomes row len(parts) r + p
+            rows = t.shape[-2] // len(parts)
+            data = np.stack([p.reshape(t.shape[-1], rows, -1) for p in parts], axis=2).reshape(-1)
+        else:
+            data = np.concatenate([p.reshape(-1) for p in parts])
+    else:
+        data = _values(t, spec, seed)
+    return data if t.conversion is None else _stored(t.conversion, data.view(np.uint8).reshape(-1))
+
+
+def _stored(conversion: Conversion, data: np.ndarray) -> np.ndarray:
+    """ggml's bytes `data` as the file stores them: the inverse of Conversion.convert."""
+    if conversion is Conversion.BF16_TO_F32:  # values BF16 holds exactly (_values rounds them)
+        return (data.view("<u4") >> 16).astype("<u2")
+    blocks = data.reshape(-1, 17)  # the scale, then qs[j] = element j | element j + 16 << 4
+    elements = np.concatenate((blocks[:, 1:] & 0x0F, blocks[:, 1:] >> 4), axis=1).reshape(-1, 16, 2)
+    out = np.empty_like(blocks)
+    out[:, 0] = blocks[:, 0]
+    out[:, 1:] = elements[:, :, 0] | (elements[:, :, 1] << 4)  # byte i = element 2i | element 2i + 1 << 4
+    return out
+
+
+def _values(t: _Tensor, spec: ModelSpec, seed: int) -> np.ndarray:
+    """A tensor's data as ggml has it, generated from (seed, its name)."""
     if t.kind == "rope_freqs":
         if "rope_factors_" in t.name:  # phi3's: long ones rising from 1 to 16, short ones near 1
             return (np.geomspace(1.0, 16.0, t.shape[0]) if "long" in t.name else np.linspace(1.0, 1.3, t.shape[0])
@@ -932,7 +981,9 @@ def _generate(t: _Tensor, spec: ModelSpec, seed: int) -> np.ndarray:
     if t.kind == "norm":
         return (1.0 + 0.1 * rng.standard_normal(t.shape, dtype=np.float32)).astype(np.float32)
     if t.kind == "bias":
-        return 0.1 * rng.standard_normal(t.shape, dtype=np.float32)
+        bias = 0.1 * rng.standard_normal(t.shape, dtype=np.float32)
+        # gpt-oss's expert biases are BF16 in some of Ollama's files: the same values in every layout
+        return _round_bf16(bias) if spec.arch == "gpt-oss" and "_exps." in t.name else bias
 
     cols, rows = t.shape[0], math.prod(t.shape[1:])
     scale = np.float32(1.0 / math.sqrt(cols))
@@ -946,6 +997,13 @@ def _generate(t: _Tensor, spec: ModelSpec, seed: int) -> np.ndarray:
         out[start : start + n] = chunk
     assert out is not None
     return out
+
+
+def _round_bf16(values: np.ndarray) -> np.ndarray:
+    """float32 values rounded to the nearest BF16 (ties to even), as float32."""
+    bits = values.view("<u4").astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return rounded.astype("<u4").view(np.float32)
 
 
 def _encode(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:

@@ -378,6 +378,9 @@ class Backend:
 
         def load_one(fd: int, info) -> None:
             targets = self._load_targets[info.name]
+            if info.conversion is not None:
+                load_converted(fd, info, targets)
+                return
             direct = ggml.host_bytes(targets[0].handle)
             if direct is not None:  # plain layout in host memory: read in place, no copy
                 read_at(fd, info.offset, direct)
@@ -399,6 +402,20 @@ class Backend:
                 chunk = read_at(fd, info.offset + start, chunks.buffer[:size])
                 for target in targets:
                     ggml.write_bytes(target.handle, chunk, start)
+                advance(size)
+
+        def load_converted(fd: int, info, targets: list[Tensor]) -> None:
+            """A tensor whose file bytes are not ggml's (TensorInfo.conversion): converted a chunk of whole
+            blocks at a time, or whole where it is repacked (a repacked tensor is written in one piece)."""
+            file_block = info.conversion.file_block
+            whole = any(target.name in self._repacked for target in targets)
+            step = info.n_bytes if whole else LOAD_CHUNK // file_block * file_block
+            for start in range(0, info.n_bytes, step):
+                size = min(step, info.n_bytes - start)
+                raw = np.asarray(read_at(fd, info.offset + start, memoryview(np.empty(size, np.uint8))))
+                data = info.conversion.convert(raw)
+                for target in targets:
+                    ggml.write_bytes(target.handle, data, info.conversion.ggml_bytes(start))
                 advance(size)
 
         fd = os.open(self.model.path, os.O_RDONLY)

@@ -248,7 +248,7 @@ class Store:
             "modified_at": _rfc3339(m.modified_at),
         }
         if verbose:
-            out["tensors"] = [{"name": t.name, "type": t.ggml_type.name, "shape": list(t.shape)}
+            out["tensors"] = [{"name": t.name, "type": t.file_type.name, "shape": list(t.shape)}
                               for t in info.tensors.values()]
         return out
 
