@@ -185,15 +185,15 @@ def greedy_logits(path: Path, steps: int = 6) -> np.ndarray:
         model.close()
 
 
-@pytest.mark.parametrize("layout", ["ollama", "ollama-qkv", "ollama-2025-08"])
+@pytest.mark.parametrize("layout", ["ollama", "ollama-qkv", "ollama-2025-09", "ollama-2025-08"])
 def test_ollama_gpt_oss_files_match_llama_cpp_named_ones(synthetic, layout):
     """Ollama's own gpt-oss conversions (architecture "gptoss": attn_out, attn_sinks, ffn_norm, no
     rope.scaling.type as Ollama always applies YaRN; q, k and v fused in attn_qkv when converted from
-    OpenAI's original checkpoint; the files it served from August 2025 also fuse gate and up with their rows
-    interleaved, store MXFP4 under type id 4 in OpenAI's nibble order and the experts' biases in BF16) hold
-    the same model as llama.cpp's: the same weights under both names give identical logits. (llama.cpp
-    cannot load Ollama's files; the llama.cpp-named one is checked against llama.cpp above.) Measured:
-    bit-identical."""
+    OpenAI's original checkpoint; its files until October 2025 also fuse gate and up with their rows
+    interleaved and store the experts' biases in BF16, and until 26 August 2025 MXFP4 under type id 4 in
+    OpenAI's nibble order) hold the same model as llama.cpp's: the same weights under both names give
+    identical logits. (llama.cpp cannot load Ollama's files; the llama.cpp-named one is checked against
+    llama.cpp above.) Measured: bit-identical."""
     from ollama_engine.models.gptoss import OllamaGptOss
 
     ours = synthetic("gpt-oss", "Q8_0", expert_type="MXFP4", layout=layout)

@@ -115,9 +115,10 @@ class ModelSpec:
     yarn_log_mul: float | None = None  # rope.scaling.yarn_log_multiplier (mistral3)
     attn_temperature_scale: float | None = None  # attention.temperature_scale (mistral3, Llama 4's scaling)
     layout: str = "llama.cpp"  # gpt-oss: "ollama" (Ollama's converter: architecture "gptoss", its tensor names,
-    # no rope.scaling.type), "ollama-qkv" (and q, k, v fused, as it converts OpenAI's original checkpoint) or
-    # "ollama-2025-08" (and, as its files of August to October 2025: gate and up fused with interleaved rows in
-    # ffn_gate_up_exps, MXFP4 experts under type id 4 in OpenAI's nibble order, the experts' biases in BF16)
+    # no rope.scaling.type), "ollama-qkv" (and q, k, v fused, as it converts OpenAI's original checkpoint),
+    # "ollama-2025-09" (and, as its files until October 2025: gate and up fused with interleaved rows in
+    # ffn_gate_up_exps, the experts' biases BF16) or "ollama-2025-08" (and, as its first ones, until 26 August
+    # 2025, what gpt-oss:20b still is: MXFP4 experts under type id 4 in OpenAI's nibble order)
     mla: MLASpec | None = None  # deepseek2 only
     name: str = "synthetic"
 
@@ -489,7 +490,7 @@ def write_synthetic(
     n_vocab = len(tokenizer["tokenizer.ggml.tokens"][0])
     tensors = list(_tensor_plan(spec, n_vocab, qtype))
     if spec.layout != "llama.cpp":
-        tensors = list(_ollama_gpt_oss(tensors, fuse_qkv=spec.layout != "ollama", old=spec.layout == "ollama-2025-08"))
+        tensors = list(_ollama_gpt_oss(tensors, spec.layout))
     arch = "gptoss" if spec.layout != "llama.cpp" else spec.arch  # Ollama's architecture name
 
     path = Path(path)
@@ -537,10 +538,10 @@ class _Tensor:
 def _check(spec: ModelSpec) -> None:
     if spec.embedding_type is not None and spec.embedding_type not in WEIGHT_TYPES:
         raise ValueError(f"unknown embedding type {spec.embedding_type!r}: choose one of {tuple(WEIGHT_TYPES)}")
-    if spec.layout not in ("llama.cpp", "ollama", "ollama-qkv", "ollama-2025-08") or (
+    if spec.layout not in ("llama.cpp", "ollama", "ollama-qkv", "ollama-2025-09", "ollama-2025-08") or (
             spec.layout != "llama.cpp" and spec.arch != "gpt-oss"):
-        raise ValueError(f"{spec.name}: layout {spec.layout!r}: llama.cpp, or ollama, ollama-qkv or "
-                         "ollama-2025-08 for gpt-oss")
+        raise ValueError(f"{spec.name}: layout {spec.layout!r}: llama.cpp, or ollama, ollama-qkv, ollama-2025-09 "
+                         "or ollama-2025-08 for gpt-oss")
     if spec.expert_type is not None and spec.expert_type not in WEIGHT_TYPES:
         raise ValueError(f"unknown expert type {spec.expert_type!r}: choose one of {tuple(WEIGHT_TYPES)}")
     if spec.arch not in ARCHITECTURES:
@@ -746,20 +747,22 @@ def _gpt_oss_tensors(tensor, spec: ModelSpec) -> Iterator[_Tensor]:
         yield tensor(MODEL_TENSOR.FFN_UP_EXP, "bias", (n_ff, n_expert), "bias", i)
 
 
-def _ollama_gpt_oss(tensors: list[_Tensor], fuse_qkv: bool, old: bool) -> Iterator[_Tensor]:
+def _ollama_gpt_oss(tensors: list[_Tensor], layout: str) -> Iterator[_Tensor]:
     """gpt-oss's tensors as Ollama's converter names them (model/models/gptoss in Ollama), with the same
-    data: attn_out, attn_sinks, ffn_norm; with fuse_qkv, q, k and v (and their biases) in one attn_qkv.
-    old: as its files of August to October 2025 (convert_gptoss.go before its commit 59412fbb4): gate and
-    up (and their biases) in one ffn_gate_up_exps with their rows interleaved (gate row k is row 2k, up
-    row k row 2k + 1), MXFP4 experts in OpenAI's nibble order under type id 4, the experts' biases BF16."""
+    data: attn_out, attn_sinks, ffn_norm; but in layout "ollama", q, k and v (and their biases) in one
+    attn_qkv. Its files until October 2025 (convert_gptoss.go before commits c00fa9cc2 and 93085127f) have
+    gate and up (and their biases) in one ffn_gate_up_exps with their rows interleaved (gate row k is row
+    2k, up row k row 2k + 1) and the experts' biases in BF16; until 26 August 2025 (commit 59412fbb4)
+    their MXFP4 experts are in OpenAI's nibble order under type id 4."""
     renames = {".attn_output.": ".attn_out.", ".attn_sinks.weight": ".attn_sinks",
                ".post_attention_norm.": ".ffn_norm."}
+    fuse_qkv, old = layout != "ollama", layout in ("ollama-2025-08", "ollama-2025-09")
     by_name = {t.name: t for t in tensors}
     for t in tensors:
         name = t.name
         for before, after in renames.items():
             name = name.replace(before, after)
-        conversion = _old_conversion(t) if old else None
+        conversion = _old_conversion(t, openai_mxfp4=layout == "ollama-2025-08") if old else None
         if fuse_qkv and ".attn_q." in name:
             parts = tuple(by_name[name.replace(".attn_q.", f".attn_{p}.")] for p in "qkv")
             shape = (*t.shape[:-1], sum(p.shape[-1] for p in parts))
@@ -773,11 +776,12 @@ def _ollama_gpt_oss(tensors: list[_Tensor], fuse_qkv: bool, old: bool) -> Iterat
             yield dataclasses.replace(t, name=name, parts=(t,), conversion=conversion)  # seeded by the llama.cpp name
 
 
-def _old_conversion(t: _Tensor) -> Conversion | None:
+def _old_conversion(t: _Tensor, openai_mxfp4: bool) -> Conversion | None:
     """How Ollama's gpt-oss files of August to October 2025 store the tensor, where not as ggml has it."""
     if "_exps.bias" in t.name:
         return Conversion.BF16_TO_F32
-    return Conversion.OPENAI_MXFP4 if "_exps." in t.name and t.qtype == GGMLQuantizationType.MXFP4 else None
+    mxfp4 = openai_mxfp4 and "_exps." in t.name and t.qtype == GGMLQuantizationType.MXFP4
+    return Conversion.OPENAI_MXFP4 if mxfp4 else None
 
 
 def _deepseek2_tensors(tensor, spec: ModelSpec) -> Iterator[_Tensor]:
