@@ -384,6 +384,17 @@ def test_august_2025_gpt_oss_file_loads_in_chunks_as_ggml_holds_it(synthetic, mo
             assert down == np.asarray(new.tensor_data(f"blk.0.ffn_down_exps.{suffix}")).tobytes()
 
 
+def test_august_2025_gpt_oss_repacked_experts_are_gathered_from_chunks(synthetic, monkeypatch):
+    """Experts in the CPU's repacked layout (MXFP4 has one on x86 with AVX2) are converted in chunks and
+    written whole: the same logits as the llama.cpp-named file's."""
+    from ollama_engine.ml import backend as backend_module
+
+    monkeypatch.setattr(backend_module, "LOAD_CHUNK", 1000)
+    old = synthetic("gpt-oss", "Q8_0", expert_type="MXFP4", layout="ollama-2025-08")
+    reference = synthetic("gpt-oss", "Q8_0", expert_type="MXFP4")
+    np.testing.assert_array_equal(greedy_logits(old, steps=2), greedy_logits(reference, steps=2))
+
+
 def test_expert_weights_are_counted_in_their_layer(synthetic):
     from ollama_engine.fs import GGUFFile
 

@@ -163,11 +163,12 @@ class Conversion(Enum):
         """The ggml bytes (uint8) of whole blocks of the file's bytes `raw` (uint8)."""
         if self is Conversion.BF16_TO_F32:  # a BF16 is the top half of the F32 of the same value
             return (raw.view("<u2").astype("<u4") << 16).view(np.uint8)
-        blocks = raw.reshape(-1, 17)  # the E8M0 scale, then 16 bytes of two 4-bit elements each
-        elements = np.stack((blocks[:, 1:] & 0x0F, blocks[:, 1:] >> 4), axis=-1).reshape(-1, 32)
+        blocks = raw.reshape(-1, 17)  # the E8M0 scale, then byte i = element 2i | element 2i + 1 << 4
+        first, second = blocks[:, 1:9], blocks[:, 9:]  # elements 0..15, 16..31
         out = np.empty_like(blocks)
         out[:, 0] = blocks[:, 0]
-        out[:, 1:] = elements[:, :16] | (elements[:, 16:] << 4)
+        out[:, 1::2] = (first & 0x0F) | (second << 4)  # qs[2m] = element 2m | element 2m + 16 << 4
+        out[:, 2::2] = (first >> 4) | (second & 0xF0)  # qs[2m + 1] = element 2m + 1 | element 2m + 17 << 4
         return out.reshape(-1)
 
 

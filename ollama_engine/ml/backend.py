@@ -405,18 +405,24 @@ class Backend:
                 advance(size)
 
         def load_converted(fd: int, info, targets: list[Tensor]) -> None:
-            """A tensor whose file bytes are not ggml's (TensorInfo.conversion): converted a chunk of whole
-            blocks at a time, or whole where it is repacked (a repacked tensor is written in one piece)."""
-            file_block = info.conversion.file_block
-            whole = any(target.name in self._repacked for target in targets)
-            step = info.n_bytes if whole else LOAD_CHUNK // file_block * file_block
+            """A tensor whose file bytes are not ggml's (TensorInfo.conversion), converted a chunk of whole
+            blocks at a time; a repacked one is gathered and written whole (ggml repacks in one piece)."""
+            conversion = info.conversion
+            step = LOAD_CHUNK // conversion.file_block * conversion.file_block
+            whole = np.empty(info.ggml_bytes, np.uint8) if any(t.name in self._repacked for t in targets) else None
             for start in range(0, info.n_bytes, step):
                 size = min(step, info.n_bytes - start)
                 raw = np.asarray(read_at(fd, info.offset + start, memoryview(np.empty(size, np.uint8))))
-                data = info.conversion.convert(raw)
-                for target in targets:
-                    ggml.write_bytes(target.handle, data, info.conversion.ggml_bytes(start))
+                data, at = conversion.convert(raw), conversion.ggml_bytes(start)
+                if whole is not None:
+                    whole[at : at + data.size] = data
+                else:
+                    for target in targets:
+                        ggml.write_bytes(target.handle, data, at)
                 advance(size)
+            if whole is not None:
+                for target in targets:
+                    ggml.write_bytes(target.handle, whole)
 
         fd = os.open(self.model.path, os.O_RDONLY)
         try:
