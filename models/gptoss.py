@@ -55,8 +55,8 @@ class OllamaLayer(Layer):
     """Layer's weights as Ollama's converter names them: attn_out, attn_sinks (no .weight) and ffn_norm
     for the FFN's pre-norm; its conversions of OpenAI's original checkpoint fuse q, k and v (attn_qkv,
     rows in that order). Its experts are named as llama.cpp's; its files of August to October 2025 fuse gate
-    and up in ffn_gate_up_exps (interleaved rows, see moe.py), with MXFP4 and BF16 biases the reader converts
-    at load (fs.gguf_file.Conversion)."""
+    and up in ffn_gate_up_exps (interleaved rows, see moe.py) and have BF16 expert biases (and until 26 August
+    MXFP4 under type id 4), which the reader converts at load (fs.gguf_file.Conversion)."""
 
     attn_q: Tensor | None = weight("attn_q.weight", optional=True)
     attn_k: Tensor | None = weight("attn_k.weight", optional=True)

@@ -128,10 +128,10 @@ _U64 = struct.Struct("<Q")
 class Conversion(Enum):
     """How a tensor's bytes in the file differ from what ggml computes with, converted at load.
 
-    Ollama's gpt-oss files of August to October 2025 (its runtime converts both at load, ml/backend/ggml):
-    MXFP4 experts under the retired type id 4 with each block's nibbles in OpenAI's order (byte i holds
-    elements 2i and 2i + 1; ggml's MXFP4 wants elements j and j + 16), and the experts' biases in BF16
-    (ggml's add_id adds F32 only). value: (the file's type id, what it means, the type ggml gets).
+    Ollama's gpt-oss files (its runtime converts both at load, ml/backend/ggml): until 26 August 2025, MXFP4
+    experts under the retired type id 4 with each block's nibbles in OpenAI's order (byte i holds elements
+    2i and 2i + 1; ggml's MXFP4 wants elements j and j + 16); until October 2025, the experts' biases in
+    BF16 (ggml's add_id adds F32 only). value: (the file's type id, what it means, the type ggml gets).
     """
 
     OPENAI_MXFP4 = (4, GGMLQuantizationType.MXFP4, GGMLQuantizationType.MXFP4)
