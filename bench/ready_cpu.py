@@ -1,8 +1,9 @@
 """Where a runner's time to ready goes, in the runner's own CPU seconds (meaningful on a shared machine,
-where wall time is not): imports until /health answers, then each /load of fit -> alloc -> commit as
-Ollama's parent sends them, then reading the weights until /health says ready. Also its peak RSS, its
-memory at ready (anonymous and file-backed, from smaps_rollup), and the weights' move onto 2 MiB pages
-that follows in the background (OLLAMA_ENGINE_HUGE_PAGES=collapse): its CPU seconds and AnonHugePages.
+where wall time is not; wall seconds are printed beside them): imports until /health answers, then each
+/load of fit -> alloc -> commit as Ollama's parent sends them, then reading the weights until /health
+says ready. Also its peak RSS, its memory at ready (anonymous and file-backed, from smaps_rollup), and
+the weights' move onto 2 MiB pages that follows in the background (OLLAMA_ENGINE_HUGE_PAGES=collapse):
+its CPU seconds and AnonHugePages.
 
     .venv/bin/python bench/ready_cpu.py bench/out/llama-3.2-1b-Q4_0.gguf bench/out/smollm2-135m-Q8_0.gguf
 """
@@ -45,31 +46,37 @@ def after_ready(pid: int, settle: float = 1.0, limit: float = 30.0) -> tuple[flo
     return process_cpu_seconds(pid), memory_mib(pid)["AnonHugePages"]
 
 
-def phases(model: str, threads: int) -> tuple[list[tuple[str, float]], float, dict[str, float]]:
-    """(phase, CPU seconds) in order, the runner's VmHWM in MiB and its memory (memory_mib) at ready;
-    the last phase is what the runner did after ready until idle, with AnonHugePages then."""
+def phases(model: str, threads: int) -> tuple[list[tuple[str, float, float]], float, dict[str, float]]:
+    """(phase, CPU seconds, wall seconds) in order, the runner's VmHWM in MiB and its memory (memory_mib)
+    at ready; the last phase is what the runner did after ready until idle, with AnonHugePages then."""
     total_layers = GGUFFile.open(model).config.get_uint("block_count") + 1
     options = LoadOptions(num_ctx=N_CTX, parallel=1, batch_size=BATCH, num_gpu=0, num_threads=threads,
                           kv_cache_type="f16")
+    start = time.perf_counter()
     handle = RunnerHandle.start(model)
     try:
         handle.wait_launched()
         pid = handle.process.pid
-        marks = [("imports (to /health)", process_cpu_seconds(pid))]
+
+        def mark(name: str) -> None:
+            marks.append((name, process_cpu_seconds(pid), time.perf_counter() - start))
+
+        marks: list[tuple[str, float, float]] = []
+        mark("imports (to /health)")
         load(handle, system_info(), [], total_layers, options,
-             on_attempt=lambda a: marks.append((f"/load {a.operation.name.lower()}", process_cpu_seconds(pid))))
+             on_attempt=lambda attempt: mark(f"/load {attempt.operation.name.lower()}"))
         while handle.health(timeout=5)[0] != ServerStatus.READY:
-            time.sleep(0.01)
-        marks.append(("weights read (ready)", process_cpu_seconds(pid)))
+            time.sleep(0.005)
+        mark("weights read (ready)")
         rss, memory = peak_rss_mib(pid), memory_mib(pid)
         cpu, huge = after_ready(pid)
-        marks.append((f"after ready ({huge:.0f} MiB huge)", cpu))
+        marks.append((f"after ready ({huge:.0f} MiB huge)", cpu, time.perf_counter() - start))
     finally:
         handle.close()
-    previous, out = 0.0, []
-    for name, seconds in marks:
-        out.append((name, seconds - previous))
-        previous = seconds
+    previous, out = (0.0, 0.0), []
+    for name, seconds, wall in marks:
+        out.append((name, seconds - previous[0], wall - previous[1]))
+        previous = (seconds, wall)
     return out, rss, memory
 
 
@@ -81,9 +88,11 @@ def main() -> int:
     for model in args.models:
         steps, rss, memory = phases(model, args.threads)
         print(model)
-        for name, seconds in steps:
-            print(f"  {name:28s} {seconds:5.2f} s")
-        print(f"  {'total to ready':28s} {sum(s for _, s in steps[:-1]):5.2f} s CPU   peak RSS {rss:.0f} MiB")
+        print(f"  {'phase':28s}   CPU s  wall s (a quiet machine's only)")
+        for name, seconds, wall in steps:
+            print(f"  {name:28s} {seconds:7.2f} {wall:7.2f}")
+        cpu, wall = (sum(step[i] for step in steps[:-1]) for i in (1, 2))
+        print(f"  {'total to ready':28s} {cpu:7.2f} {wall:7.2f}   peak RSS {rss:.0f} MiB")
         print("  at ready, MiB: " + ", ".join(f"{key} {value:.0f}" for key, value in memory.items()))
     return 0
 
