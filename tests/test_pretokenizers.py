@@ -22,7 +22,7 @@ CHECKED_BY_VOCAB_FILES = {"", "default", "llama-bpe", "gpt-2", "qwen2", "qwen35"
 TEXTS = [
     "HelloWorld and HELLOworld, don't I'M we'LL", "ÉCOLE école Straße İstanbul ǅemal", "e\u0301te\u0301 naïve café",
     "1234567 89 3.14159 1,000,000", "こんにちは、カタカナ！ 漢字テスト 한국어 텍스트",
-    "path/to/file.txt\r\nnext\n\n\tline",
+    "path/to/file.txt\r\nnext\n\n\tline", "漢字かな混じりABCdef中文Ünïcode",
     "   leading and trailing   ", "emoji 🦙🚀 mixed: a+b=c; x<y>z", "«Quoted» — “curly” ‘single’ …", "Ǆ ǅ ǆ ᾈ ᾀ",
     "Привет МИР мир", "مرحبا بالعالم ١٢٣", "नमस्ते दुनिया", "snake_case camelCase PascalCase kebab-case",
 ]

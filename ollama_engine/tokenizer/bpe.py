@@ -45,6 +45,9 @@ _GPT4O = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTIONS}?"
           rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_CONTRACTIONS}?"
           r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _BLOOM = r" ?[^(\s|.,!?…。，、।۔،)]+"
+# Kimi K2's pattern as llama.cpp's hand-written splitter runs it: letter runs without its case classes.
+_KIMI_K2 = (r"\p{Han}+|[^\r\n\p{L}\p{N}]?[\p{L}&&[^\p{Han}]]+(?:'[sStTmMdD]|'[rR][eE]|'[vV][eE]|'[lL][lL])?"
+            r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _SEED_CODER = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+|\s+(?!\S)"
                r"|\s+")
 _BAILINGMOE = (r"'(?:[sSdDmMtT]|[lL][lL]|[vV][eE]|[rR][eE])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -97,6 +100,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     **dict.fromkeys(("bailingmoe", "bailingmoe2", "llada-moe"), PreTokenizer((_BAILINGMOE,), clean_spaces=False)),
     **dict.fromkeys(("trillion", "granite-docling"), PreTokenizer((_GPT2,), clean_spaces=False)),
     **dict.fromkeys(("hunyuan", "solar-open", "grok-2"), PreTokenizer((_QWEN2,), clean_spaces=False)),
+    "kimi-k2": PreTokenizer((_KIMI_K2,), clean_spaces=False),
     "chatglm-bpe": PreTokenizer((_LLAMA3,)),
     **dict.fromkeys(("glm4", "glm5"), PreTokenizer((_LLAMA3,), ignore_merges=True)),
 }
