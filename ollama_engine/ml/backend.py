@@ -232,11 +232,18 @@ class Backend:
     def _create_weights(self) -> None:
         extra = ggml_backend.extra_buffer_types(self.cpu.handle) if self.repack_weights else []
         groups: dict[tuple, list] = {}  # (device, buffer type) -> [(placement, info)]
+        shared: dict[str, str] = {}  # a placement -> the placement whose tensor it uses
         for info in self.model.tensors.values() if self.model is not None else ():
             if self.unused_tensors(info.name):
                 continue
+            first: dict[tuple, str] = {}
             for placement in self.placements(info.name):
                 buft = self._weight_buffer_type(placement, info, extra)
+                key = (placement.device, buft)
+                if key in first:  # the same bytes on the same device (a tied output weight not repacked)
+                    shared[placement.name] = first[key]
+                    continue
+                first[key] = placement.name
                 groups.setdefault((placement.device, buft), []).append((placement, info))
         allocations = []
         for (device, buft), entries in groups.items():
@@ -254,6 +261,8 @@ class Backend:
                 handles.append(handle)
                 self._record(device, placement.layer, ggml_backend.padded_alloc_size(buft, handle), "weights")
             allocations.append((device, buft, ctx, handles))
+        for name, owner in shared.items():
+            self.weights[name] = self.weights[owner]
         # every weight is sized before anything is allocated, so a failure reports all of them
         for device, buft, ctx, handles in allocations:
             if not self.allocate:
