@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from workers import BATCH, N_CTX, peak_rss_mib, process_cpu_seconds  # noqa: E402
 
+from bench import compile_engine  # noqa: E402
 from ollama_engine.fs import GGUFFile  # noqa: E402
 from ollama_engine.llm.discovery import system_info  # noqa: E402
 from ollama_engine.llm.load import LoadOptions, load  # noqa: E402
@@ -85,6 +86,7 @@ def main() -> int:
     parser.add_argument("models", nargs="+")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    compile_engine()  # as bench.py: an installed package's bytecode
     for model in args.models:
         steps, rss, memory = phases(model, args.threads)
         print(model)
