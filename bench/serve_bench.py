@@ -7,7 +7,9 @@ Measures, with `--slots` (4) sequences sharing each server's model:
   * aggregate generated tokens/s and mean time to first token for 1, 4 and 8 concurrent streams
     (serve: /api/generate raw; llama-server: /completion; greedy, the same prompt texts), and the CPU
     milliseconds per generated token of each process: the two busiest threads of the runner and of
-    llama-server (ggml's compute threads), their other threads, serve and this client;
+    llama-server (ggml's compute threads), their other threads, serve and this client. Both servers run
+    at once and take turns, in --rounds rounds with their order swapped each round (medians; the ratio
+    is the median of the rounds' ratios), so that the machine's drift hits both alike;
   * the serve -> runner hop: single-stream decode speed and first-token time through serve against the
     same requests sent straight to a runner (loaded by fit -> alloc -> commit as serve's scheduler does);
   * multi-turn chat: the second turn's first-token time against the first's, on a ~2,000-token conversation
@@ -26,10 +28,12 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import json
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -174,24 +178,55 @@ def client_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def concurrency(run: Callable[[str, int], Stream], streams: list[int], n_predict: int, words: int,
-                pids: dict[str, int]) -> dict:
-    run(prompt_text(999, 8), 4)  # warm-up
-    results = {}
-    for count in streams:
-        prompts = [prompt_text(i + 100 * count, words) for i in range(count)]
-        before = {name: thread_cpu(pid) for name, pid in pids.items()}
-        client = client_cpu()
-        start = time.perf_counter()
-        with concurrent.futures.ThreadPoolExecutor(max_workers=count) as pool:
-            done = list(pool.map(lambda p: run(p, n_predict), prompts))
-        wall = time.perf_counter() - start
-        tokens = sum(s.tokens for s in done)
-        results[str(count)] = {"aggregate_tps": tokens / wall, "wall_s": wall, "tokens": [s.tokens for s in done],
-                               "mean_first_token_s": sum(s.first_token_s for s in done) / count,
-                               "cpu_ms_per_token": cpu_per_token(pids, before, tokens, client_cpu() - client)}
-        progress(f"{count} streams: {tokens / wall:.1f} t/s, "
-                 f"first token {results[str(count)]['mean_first_token_s']:.3f} s")
+def streams_once(run: Callable[[str, int], Stream], count: int, n_predict: int, words: int, pids: dict[str, int],
+                 round_: int) -> dict:
+    """`count` concurrent streams, each with its own prompt (new in every round: no prompt cache hits)."""
+    prompts = [prompt_text(i + 100 * count + 10_000 * round_, words) for i in range(count)]
+    before = {name: thread_cpu(pid) for name, pid in pids.items()}
+    client = client_cpu()
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=count) as pool:
+        done = list(pool.map(lambda p: run(p, n_predict), prompts))
+    wall = time.perf_counter() - start
+    tokens = sum(s.tokens for s in done)
+    return {"aggregate_tps": tokens / wall, "wall_s": wall, "tokens": [s.tokens for s in done],
+            "mean_first_token_s": sum(s.first_token_s for s in done) / count,
+            "cpu_ms_per_token": cpu_per_token(pids, before, tokens, client_cpu() - client)}
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def interleaved(servers: dict[str, tuple[Callable[[str, int], Stream], dict[str, int]]], streams: list[int],
+                rounds: int, n_predict: int, words: int) -> dict[str, Any]:
+    """Every stream count on every server, round after round, the servers' order swapped each round: a drift of
+    the machine's speed hits both alike. Per server and count: medians over the rounds, and each round's t/s."""
+    for run, _ in servers.values():
+        run(prompt_text(999, 8), 4)  # warm-up
+    rows: dict[str, dict[str, list[dict]]] = {name: {str(count): [] for count in streams} for name in servers}
+    for round_ in range(rounds):
+        order = list(servers) if round_ % 2 == 0 else list(reversed(servers))
+        for count in streams:
+            for name in order:
+                run, pids = servers[name]
+                row = streams_once(run, count, n_predict, words, pids, round_)
+                rows[name][str(count)].append(row)
+                progress(f"round {round_ + 1}/{rounds}, {name}, {count} streams: {row['aggregate_tps']:.1f} t/s, "
+                         f"first token {row['mean_first_token_s']:.3f} s")
+    results: dict[str, Any] = {}
+    for name, by_count in rows.items():
+        results[name] = {count: {
+            "aggregate_tps": median([r["aggregate_tps"] for r in runs]),
+            "mean_first_token_s": median([r["mean_first_token_s"] for r in runs]),
+            "cpu_ms_per_token": {key: median([r["cpu_ms_per_token"][key] for r in runs])
+                                 for key in runs[0]["cpu_ms_per_token"]},
+            "rounds_tps": [r["aggregate_tps"] for r in runs], "tokens": [r["tokens"] for r in runs],
+        } for count, runs in by_count.items()}
+    if "llama_server" in rows:
+        results["ratios"] = {count: median([ours["aggregate_tps"] / theirs["aggregate_tps"] for ours, theirs
+                                            in zip(rows["serve"][count], rows["llama_server"][count], strict=True)])
+                             for count in rows["serve"]}
     return results
 
 
@@ -262,6 +297,21 @@ def hop(args: argparse.Namespace, num_ctx: int, streams: list[int], results: dic
                       "first_token_extra_ms": 1e3 * (serve_single["first_token_s"] - runner_single["first_token_s"])}
 
 
+@contextlib.contextmanager
+def llama_server(args: argparse.Namespace, num_ctx: int) -> Iterator[tuple[str, int]]:
+    """llama-server with serve's settings; its URL and pid."""
+    port = free_port()
+    command = [str(args.llama_server), "-m", str(args.model), "--port", str(port), "-np", str(args.slots),
+               "-c", str(num_ctx * args.slots), "-t", str(args.threads), "-tb", str(args.threads), "-b", "512",
+               "-ctk", "f16", "-ctv", "f16", "-fa", args.flash_attention, "--no-webui"]
+    with subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as server:
+        try:
+            wait_http(f"http://127.0.0.1:{port}/health", server)
+            yield f"http://127.0.0.1:{port}", server.pid
+        finally:
+            server.terminate()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=HERE / "out" / "llama-3.2-1b-Q4_0.gguf")
@@ -276,6 +326,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--flash-attention", choices=("off", "on"), default="off")
     parser.add_argument("--concurrency-only", action="store_true", help="skip the hop and the multi-turn chat")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the interleaved concurrency runs")
     parser.add_argument("--out", type=Path, default=HERE / "out" / "serve_bench.json")
     args = parser.parse_args()
     if args.build_llama_server:
@@ -288,23 +339,28 @@ def main() -> int:
                                "flash_attention": args.flash_attention}
     num_ctx = args.slot_ctx
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         from ollama_engine.store import Store
 
         store = Store(Path(tmp) / "models")
         store.create("bench", files={args.model.name: store.add_file(args.model)})
         env = {"OLLAMA_NUM_PARALLEL": str(args.slots), "OLLAMA_KEEP_ALIVE": "1h",
                "OLLAMA_FLASH_ATTENTION": str(int(args.flash_attention == "on"))}
-        with serve_process(store.root, **env) as url:
-            progress("serve: concurrency")
-            generate = serve_generate(url, "bench", num_ctx, args.threads)
-            generate(prompt_text(997, 8), 4)  # loads the model: its runner is then serve's child
-            results["serve"] = concurrency(generate, streams, args.n_predict, args.prompt_words, serve_pids())
-            if not args.concurrency_only:
-                results["serve_single"] = single(generate, args.n_predict, args.prompt_words, 5)
-            if not args.concurrency_only:
-                progress("serve: multi-turn chat")
-                results["multi_turn"] = multi_turn(url, "bench", args.chat_words)
+        url = stack.enter_context(serve_process(store.root, **env))
+        generate = serve_generate(url, "bench", num_ctx, args.threads)
+        generate(prompt_text(997, 8), 4)  # loads the model: its runner is then serve's child
+        servers = {"serve": (generate, serve_pids())}
+        if args.llama_server.exists() or shutil.which(str(args.llama_server)):
+            llama_url, llama_pid = stack.enter_context(llama_server(args, num_ctx))
+            servers["llama_server"] = (llama_server_completion(llama_url), {"llama_server": llama_pid})
+        else:
+            progress(f"no llama-server at {args.llama_server}: run with --build-llama-server first")
+        progress("concurrency, " + " and ".join(servers) + " interleaved")
+        results.update(interleaved(servers, streams, args.rounds, args.n_predict, args.prompt_words))
+        if not args.concurrency_only:
+            results["serve_single"] = single(generate, args.n_predict, args.prompt_words, 5)
+            progress("serve: multi-turn chat")
+            results["multi_turn"] = multi_turn(url, "bench", args.chat_words)
 
     if args.concurrency_only:
         pass
@@ -312,24 +368,6 @@ def main() -> int:
         hop(args, num_ctx, streams, results)
     else:
         progress("the serve -> runner hop is measured with --flash-attention off only")
-
-    if args.llama_server.exists() or shutil.which(str(args.llama_server)):
-        port = free_port()
-        command = [str(args.llama_server), "-m", str(args.model), "--port", str(port), "-np", str(args.slots),
-                   "-c", str(num_ctx * args.slots), "-t", str(args.threads), "-tb", str(args.threads), "-b", "512",
-                   "-ctk", "f16", "-ctv", "f16", "-fa", args.flash_attention, "--no-webui"]
-        with subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as server:
-            try:
-                wait_http(f"http://127.0.0.1:{port}/health", server)
-                progress("llama-server: concurrency")
-                results["llama_server"] = concurrency(llama_server_completion(f"http://127.0.0.1:{port}"), streams,
-                                                      args.n_predict, args.prompt_words, {"llama_server": server.pid})
-            finally:
-                server.terminate()
-        results["ratios"] = {k: results["serve"][k]["aggregate_tps"] / results["llama_server"][k]["aggregate_tps"]
-                             for k in results["serve"]}
-    else:
-        progress(f"no llama-server at {args.llama_server}: run with --build-llama-server first")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))
