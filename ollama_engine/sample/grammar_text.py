@@ -19,9 +19,6 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-import llguidance
-from llguidance.gbnf_to_lark import gbnf_to_lark
-
 # Ollama's grammarJSON (llm/server.go at f63eea3d), its trailing spaces left out: texts are compared with
 # their runs of whitespace collapsed.
 GRAMMAR_JSON = r"""
@@ -74,6 +71,8 @@ def format_grammar(value: Any) -> str:
         raw = json.dumps(value, separators=(",", ":"), ensure_ascii=False)
         raise GrammarError(f'invalid format: {json.dumps(raw, ensure_ascii=False)}; '
                            'expected "json" or a valid JSON Schema object')
+    import llguidance  # at the first grammar (see sample/grammar.py)
+
     grammar = schema_grammar(value)
     error = llguidance.LLMatcher.validate_grammar(to_llguidance(grammar))
     if error:
@@ -144,6 +143,9 @@ _UNICODE_ESCAPE = re.compile(r"\\(?:\\|u([0-9a-fA-F]{4})|U([0-9a-fA-F]{8}))")
 
 def to_llguidance(text: str) -> str:
     """llguidance's grammar for a runner Grammar: Ollama's JSON grammar, `%llguidance` Lark, or GBNF."""
+    import llguidance  # at the first grammar (see sample/grammar.py)
+    from llguidance.gbnf_to_lark import gbnf_to_lark
+
     if _collapse(text) == _GRAMMAR_JSON_KEY:
         # Ollama's "json": any JSON object, as llguidance's own JSON grammar (fast, with bounded whitespace)
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
