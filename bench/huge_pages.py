@@ -22,13 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ready_cpu import memory_mib  # noqa: E402
-from workers import BATCH, N_CTX, complete  # noqa: E402
-
-from ollama_engine.fs import GGUFFile  # noqa: E402
-from ollama_engine.llm.discovery import system_info  # noqa: E402
-from ollama_engine.llm.load import LoadOptions, load  # noqa: E402
-from ollama_engine.llm.runner_handle import RunnerHandle  # noqa: E402
-from ollama_engine.server.wire import ServerStatus  # noqa: E402
+from workers import N_CTX, WorkerArgs, complete, start_runner  # noqa: E402
 
 VARIANTS = (("fault", 0.0), ("collapse", 0.0), ("collapse", 5.0))  # (mode, pause after ready in seconds)
 
@@ -36,17 +30,10 @@ VARIANTS = (("fault", 0.0), ("collapse", 0.0), ("collapse", 5.0))  # (mode, paus
 def run(model: str, mode: str, pause: float, threads: int) -> tuple[float, float, float]:
     """(seconds from spawn to ready, decode t/s, AnonHugePages MiB when the decode starts)."""
     os.environ["OLLAMA_ENGINE_HUGE_PAGES"] = mode  # the runner inherits it
-    total_layers = GGUFFile.open(model).config.get_uint("block_count") + 1
-    options = LoadOptions(num_ctx=N_CTX, parallel=1, batch_size=BATCH, num_gpu=0, num_threads=threads,
-                          kv_cache_type="f16")
-    start = time.perf_counter()
-    handle = RunnerHandle.start(model)
+    args = WorkerArgs(engine="runner", task="huge_pages", model=model, prompts={}, threads=threads, t0=time.time(),
+                      gpu=False, streams=[], verbose=False)
+    handle, ready, _ = start_runner(args, N_CTX, parallel=1)
     try:
-        handle.wait_launched()
-        load(handle, system_info(), [], total_layers, options)
-        while handle.health(timeout=5)[0] != ServerStatus.READY:
-            time.sleep(0.005)
-        ready = time.perf_counter() - start
         time.sleep(pause)
         complete(handle, "The quick brown fox", 4)
         huge = memory_mib(handle.process.pid)["AnonHugePages"]
