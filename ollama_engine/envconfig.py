@@ -27,6 +27,9 @@ _UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0
 _PART = re.compile(r"(\d+\.?\d*|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
 
 
+MAX_DURATION = (2**63 - 1) / 1e9  # seconds in Go's longest time.Duration (int64 nanoseconds: about 292 years)
+
+
 class DurationError(ValueError):
     """Text that Go's time.ParseDuration rejects (the message is Go's)."""
 
@@ -49,12 +52,15 @@ def parse_duration(text: str) -> float:
             raise DurationError(f'time: invalid duration "{original}"')
         total += float(match.group(1)) * _UNITS[match.group(2)]
         position = match.end()
+        if total > MAX_DURATION:  # Go's ParseDuration refuses what overflows int64 nanoseconds
+            raise DurationError(f'time: invalid duration "{original}"')
     return sign * total
 
 
 def keep_alive_seconds(value: float) -> float:
-    """Ollama's reading of a keep-alive: negative means forever."""
-    return math.inf if value < 0 else value
+    """Ollama's reading of a keep-alive: negative means forever, and so does anything at or past Go's longest
+    duration (Ollama's `forever` is that duration), so no deadline is ever past what clocks can hold."""
+    return float(value) if 0 <= value < MAX_DURATION else math.inf
 
 
 def _var(env: Mapping[str, str], key: str) -> str:

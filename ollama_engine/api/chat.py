@@ -25,9 +25,11 @@ from .native import ApiError, created_at, json_response, parse_keep_alive, read_
 from .prompt import (
     ThinkingSplitter,
     chat_messages,
+    check_format,
     check_images,
     check_think,
     generate_prompt,
+    off_loop,
     render_chat,
     request_options,
     think_value,
@@ -91,10 +93,11 @@ class ChatRoutes:
         keep_alive = parse_keep_alive(body.get("keep_alive"))
         opts, sampling = request_options(entry, body.get("options"))
         extra = completion_extra(body)
+        await check_format(extra)
         state = {"tools": tools, "think": think, "keep_alive": keep_alive, "opts": opts}
         if not messages:
             return entry, None, state
-        prompt = render_chat(entry, chat_messages(entry, messages), tools, think, level)
+        prompt = await off_loop(lambda: render_chat(entry, chat_messages(entry, messages), tools, think, level))
         return entry, Job(entry, prompt, opts, sampling, keep_alive, extra), state
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -169,10 +172,11 @@ class ChatRoutes:
         keep_alive = parse_keep_alive(body.get("keep_alive"))
         opts, sampling = request_options(entry, body.get("options"))
         extra = completion_extra(body)
+        await check_format(extra)
         state = {"think": think, "keep_alive": keep_alive, "opts": opts, "raw": bool(body.get("raw"))}
         if not prompt and not body.get("suffix"):
             return entry, None, state
-        text = generate_prompt(entry, body, think, level)
+        text = await off_loop(lambda: generate_prompt(entry, body, think, level))
         context = body.get("context")
         if context:
             if not isinstance(context, list) or not all(isinstance(t, int) for t in context):

@@ -13,6 +13,7 @@ import asyncio
 import importlib.metadata
 import logging
 import math
+import sys
 import time
 from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta, timezone
@@ -20,7 +21,7 @@ from typing import Any
 
 from aiohttp import web
 
-from ollama_engine.envconfig import DurationError, keep_alive_seconds, parse_duration
+from ollama_engine.envconfig import MAX_DURATION, DurationError, keep_alive_seconds, parse_duration
 from ollama_engine.sched import (
     Context,
     Model,
@@ -88,8 +89,9 @@ def created_at(now_ns: int | None = None) -> str:
 
 
 def _time_at(when: float) -> str:
-    """A wall-clock time for expires_at; "forever" saturates like Go's (about 292 years ahead)."""
-    if math.isinf(when):
+    """A wall-clock time for expires_at; "forever" (or anything past Go's longest duration) saturates like Go's
+    (about 292 years ahead), so /api/ps never fails on a runner's deadline."""
+    if not when - time.time() < MAX_DURATION:
         return (datetime.now(timezone.utc).astimezone() + timedelta(days=292 * 365)).isoformat()
     return datetime.fromtimestamp(when, timezone.utc).astimezone().isoformat()
 
@@ -114,7 +116,7 @@ def parse_keep_alive(value: Any) -> float | None:
     if isinstance(value, bool):
         raise ApiError(400, "json: cannot unmarshal bool into Go value of type api.Duration")
     if isinstance(value, (int, float)):
-        return keep_alive_seconds(float(value))
+        return keep_alive_seconds(value if abs(value) < MAX_DURATION else (math.inf if value > 0 else -math.inf))
     if isinstance(value, str):
         try:
             return keep_alive_seconds(parse_duration(value))
@@ -132,6 +134,10 @@ def split_options(options: Any) -> tuple[Options, dict[str, Any]]:
     for key, value in options.items():
         if value is None:
             continue
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > sys.float_info.max:
+            # Go's decoder reads every number as a float64: a longer integer literal is not one (10^400)
+            raise ApiError(400, f'option "{key}" is out of range: a number of {len(str(abs(value)))} digits '
+                                "does not fit a float64")
         if key in _INT_OPTIONS and (isinstance(value, bool) or not isinstance(value, (int, float))
                                     or int(value) != value):
             raise ApiError(400, f'option "{key}" must be of type integer')

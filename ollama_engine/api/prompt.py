@@ -8,9 +8,13 @@ Modelfile's PARAMETERs < the request's `options`; stops add every end-of-generat
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import asyncio
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from ollama_engine.sample.grammar import check_grammar
+from ollama_engine.sample.grammar_text import GRAMMAR_JSON, GrammarError
 from ollama_engine.sched import Options
 from ollama_engine.template import (
     DEFAULT_TEMPLATE,
@@ -20,12 +24,31 @@ from ollama_engine.template import (
     parse_go_template,
     stop_words,
 )
+from ollama_engine.template.limits import RENDER_TIMEOUT, TemplateLimitError
 
 from .catalog import Entry
 from .native import ApiError, split_options
 
 THINK_LEVELS = ("low", "medium", "high", "max")
 _RAW = parse_go_template(DEFAULT_TEMPLATE)
+# Renders run here, off the event loop: a slow template must not stop serve answering everyone else.
+_RENDERS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="template")
+RENDER_GRACE = 2.0  # seconds past RENDER_TIMEOUT before the caller stops waiting (the render stops itself)
+
+
+async def off_loop(render: Callable[[], str], timeout: float = RENDER_TIMEOUT + RENDER_GRACE) -> str:
+    """`render()` in a template worker thread, given up on (500) after `timeout` seconds.
+
+    A Python thread cannot be killed: the bounds in template/limits.py (steps, sizes, a deadline checked
+    at every step) are what make the render itself stop; this wait keeps the request from hanging if one
+    C-level operation overruns the deadline.
+    """
+    future = asyncio.get_running_loop().run_in_executor(_RENDERS, render)
+    try:
+        return await asyncio.wait_for(future, timeout)
+    except asyncio.TimeoutError as err:
+        raise ApiError(500, f"template error: template exceeds its time limit of {RENDER_TIMEOUT:g} seconds") \
+            from err
 
 
 def think_value(value: Any) -> tuple[bool | None, str]:
@@ -73,8 +96,19 @@ def render_chat(entry: Entry, messages: Sequence[Mapping[str, Any]], tools: Sequ
             extra: dict[str, Any] = {"reasoning_effort": think_level} if think_level else {}
             return chat.prompt(messages, tools=tools, think=think, **extra)
         return _RAW.render(messages)
-    except (TemplateError, ChatTemplateError) as err:
+    except (TemplateError, ChatTemplateError, TemplateLimitError) as err:
         raise ApiError(500, f"template error: {err}") from err
+
+
+async def check_format(extra: Mapping[str, Any]) -> None:
+    """A 400 for a `format` schema that compiles but can never produce output ({"$ref": "#"}): the runner would
+    only find out at the first token."""
+    grammar = extra.get("Grammar")
+    if grammar and grammar != GRAMMAR_JSON:
+        try:
+            await asyncio.to_thread(check_grammar, grammar)
+        except GrammarError as err:
+            raise ApiError(400, f"invalid JSON schema in format: {err}") from err
 
 
 def generate_prompt(entry: Entry, body: Mapping[str, Any], think: bool | None, think_level: str) -> str:
@@ -92,7 +126,10 @@ def generate_prompt(entry: Entry, body: Mapping[str, Any], think: bool | None, t
     if suffix:
         if template is None or "suffix" not in template.vars():
             raise ApiError(400, f"{entry.full_name} does not support insert")
-        return template.render(prompt=prompt, suffix=suffix)
+        try:
+            return template.render(prompt=prompt, suffix=suffix)
+        except TemplateError as err:
+            raise ApiError(500, f"template error: {err}") from err
     messages: list[dict[str, Any]] = []
     system = body.get("system") or entry.system
     if system:

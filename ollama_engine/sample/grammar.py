@@ -19,7 +19,7 @@ import logging
 import threading
 import weakref
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -79,12 +79,14 @@ class GrammarVocab:
     _cache: weakref.WeakKeyDictionary[Tokenizer, GrammarVocab] = weakref.WeakKeyDictionary()
     _cache_lock = threading.Lock()
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer | None = None, *, source: Any = None) -> None:
+        """From a model's tokenizer, or from a ready llguidance source (its eos_token_id ends generation)."""
         import llguidance
 
-        self.eog_ids = frozenset(tokenizer.eos_ids)
-        self.n_vocab = tokenizer.vocab_size
-        source = _Source(tokenizer)
+        if tokenizer is not None:
+            self.eog_ids, self.n_vocab, source = frozenset(tokenizer.eos_ids), tokenizer.vocab_size, _Source(tokenizer)
+        else:
+            self.eog_ids, self.n_vocab = frozenset([source.eos_token_id]), len(source.tokens)
         self.llg = llguidance.LLTokenizer(llguidance.TokenizerWrapper(source), n_vocab=self.n_vocab,
                                           eos_token=sorted(self.eog_ids) or None)
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
@@ -175,3 +177,55 @@ class GrammarMatcher:
     def finished(self) -> bool:
         """Whether nothing more can follow: the output is complete."""
         return self._matcher.is_stopped()
+
+
+class _ByteSource:
+    """A vocabulary of the 255 one-byte tokens (0xFF is special, as in token_bytes) and an end token: enough to
+    tell whether a grammar can begin any text at all, with no model's tokenizer at hand."""
+
+    def __init__(self) -> None:
+        self.tokens = [bytes([i]) for i in range(255)] + [SPECIAL_MARK + b"<0xFF>", SPECIAL_MARK + b"</s>"]
+        self.special_token_ids = [255, 256]
+        self.eos_token_id = 256
+        self.bos_token_id = None
+
+    def __call__(self, data: bytes) -> list[int]:
+        return list(data)
+
+
+_byte_vocab: GrammarVocab | None = None
+_checked: OrderedDict[str, str] = OrderedDict()  # grammar -> "" (fine) or why not, most recent last
+_check_lock = threading.Lock()
+
+
+def check_grammar(grammar: str) -> None:
+    """GrammarError unless the grammar can start some output: a schema such as {"$ref": "#"} compiles but can
+    never produce a token, which the runner would only find at the first token (llguidance's NoExtensionBias).
+    """
+    global _byte_vocab
+    with _check_lock:
+        if grammar in _checked:
+            _checked.move_to_end(grammar)
+            why = _checked[grammar]
+        else:
+            if _byte_vocab is None:
+                _byte_vocab = GrammarVocab(source=_ByteSource())
+            why = _first_step_error(_byte_vocab, grammar)
+            _checked[grammar] = why
+            if len(_checked) > _COMPILED_PER_TOKENIZER:
+                _checked.popitem(last=False)
+    if why:
+        raise GrammarError(why)
+
+
+def _first_step_error(vocab: GrammarVocab, grammar: str) -> str:
+    try:
+        matcher = vocab.matcher(grammar)
+        if matcher.allowed().any() or matcher.allows(256):
+            return ""
+        return "no output can match the grammar"
+    except GrammarError as err:
+        message = str(err).removeprefix("grammar: ").removeprefix("invalid grammar: ")
+        if "NoExtensionBias" in message:
+            message = "no output can match it (it refers only to itself)"
+        return message

@@ -7,10 +7,11 @@ Values are plain Python: dict is a Go map (missing keys give nil, as Ollama's `m
 from __future__ import annotations
 
 import datetime
-import re
 from collections.abc import Callable
 from typing import Any
 
+from ollama_engine.template import limits
+from ollama_engine.template.gofmt import sprintf
 from ollama_engine.template.gojson import GoStruct, go_float, go_json
 from ollama_engine.template.goparse import (
     Action,
@@ -28,8 +29,7 @@ from ollama_engine.template.goparse import (
     Variable,
 )
 
-MAX_STEPS = 1_000_000  # template nodes one execution may walk (a chat of 1000 messages takes about 50,000)
-MAX_OUTPUT = 1 << 30  # characters one execution may write: no prompt is larger than the largest request body
+MAX_STEPS = limits.MAX_STEPS  # template nodes one execution may walk (a chat of 1000 messages takes about 50,000)
 
 
 class Struct:
@@ -191,24 +191,11 @@ def _sprint(*args: Any) -> str:
     return "".join(out)
 
 
-def _sprintf(fmt: str, *args: Any) -> str:
-    """fmt.Sprintf for the common verbs: %s %v %d %q %f %% (with optional precision)."""
-    values = iter(args)
-
-    def verb(m: re.Match[str]) -> str:
-        spec, kind = m.group(1), m.group(2)
-        if kind == "%":
-            return "%"
-        value = next(values, None)
-        if kind in "sv":
-            return to_text(value)
-        if kind == "q":
-            return go_json(to_text(value)) if not isinstance(value, str) else go_json(value)
-        if kind == "d":
-            return str(int(value))
-        return ("%" + spec + kind) % value
-
-    return re.sub(r"%([-+# 0]*\d*(?:\.\d+)?)([svdqfeg%])", verb, fmt)
+def _sprintf(fmt: Any, *args: Any) -> str:
+    """fmt.Sprintf, with Go's %!verb(...) texts for operands that do not fit (gofmt.py)."""
+    if not isinstance(fmt, str):
+        raise TemplateError(f"wrong type for value; expected string; got {type(fmt).__name__}")
+    return sprintf(fmt, args, to_text)
 
 
 def _date(days: int) -> Callable[..., str]:
@@ -262,26 +249,25 @@ def known_function(name: str) -> bool:
 class Executor:
     """Walks the node tree once with one set of values; collects the output."""
 
-    def __init__(self, root: Any) -> None:
+    def __init__(self, root: Any, budget: limits.Budget | None = None) -> None:
         self.root = root
         self.vars: list[tuple[str, Any]] = [("$", root)]
         self.out: list[str] = []
-        self.steps = 0  # nodes walked: a client's TEMPLATE may loop (range 1000000000), the sandbox bounds it
-        self.size = 0  # characters written
+        # a client's TEMPLATE may loop (range 1000000000) or double a string: the budget bounds both
+        self.budget = limits.Budget.for_input(root) if budget is None else budget
 
     def run(self, nodes: list[object]) -> str:
-        self.walk(nodes, self.root)
+        try:
+            self.walk(nodes, self.root)
+        except limits.TemplateLimitError as error:
+            raise TemplateError(str(error)) from None
         return "".join(self.out)
 
     def step(self) -> None:
-        self.steps += 1
-        if self.steps > MAX_STEPS:
-            raise TemplateError(f"template execution exceeds {MAX_STEPS} steps")
+        self.budget.step()
 
     def write(self, text: str) -> None:
-        self.size += len(text)
-        if self.size > MAX_OUTPUT:
-            raise TemplateError(f"template output exceeds {MAX_OUTPUT} characters")
+        self.budget.write(len(text))
         self.out.append(text)
 
     def walk(self, nodes: list[object], dot: Any) -> None:
@@ -320,7 +306,7 @@ class Executor:
             pairs = list(enumerate(value))
         elif isinstance(value, int) and not isinstance(value, bool):
             if value > MAX_STEPS:
-                raise TemplateError(f"range over {value}: more than {MAX_STEPS} steps")
+                raise TemplateError(f"range over {value}: template exceeds {MAX_STEPS} steps")
             pairs = [(i, i) for i in range(value)]
         elif value is None:
             pairs = []
@@ -399,12 +385,15 @@ class Executor:
         args = [self.arg(n, dot) for n in nodes]
         if final is not _MISSING:
             args.append(final)
+        self.step()
         try:
-            return function(*args)
+            return limits.measured(function(*args), self.budget, f"the result of {name}")
         except TemplateError as error:
             raise TemplateError(f"error calling {name}: {error}") from None
         except TypeError as error:
             raise TemplateError(f"wrong number of args for {name}: {error}") from None
+        except (ValueError, ArithmeticError) as error:  # a bad operand is the template's error, not the server's
+            raise TemplateError(f"error calling {name}: {error}") from None
 
     def arg(self, node: object, dot: Any) -> Any:
         if isinstance(node, Literal):

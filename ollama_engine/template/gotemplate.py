@@ -26,6 +26,7 @@ from ollama_engine.template.goparse import (
     TemplateError,
     Variable,
 )
+from ollama_engine.template.limits import Budget
 
 DEFAULT_TEMPLATE = "{{ .Prompt }}"
 _RESPONSE = Action(Pipe([Command([Field(["Response"])])]))
@@ -62,17 +63,19 @@ class GoTemplate:
                                  "Tools": template_tools(tools), "Response": "", **think_values})
         return self._render_legacy(collated, think_values)
 
-    def execute(self, values: Mapping[str, Any], nodes: Sequence[object] | None = None) -> str:
-        """Run the template once on a map of values (missing keys read as nil)."""
-        return Executor(dict(values)).run(list(self.nodes if nodes is None else nodes))
+    def execute(self, values: Mapping[str, Any], nodes: Sequence[object] | None = None,
+                budget: Budget | None = None) -> str:
+        """Run the template once on a map of values (missing keys read as nil), within `budget` (limits.py)."""
+        return Executor(dict(values), budget).run(list(self.nodes if nodes is None else nodes))
 
     def _render_legacy(self, messages: list[dict[str, Any]], think_values: dict[str, Any]) -> str:
         out: list[str] = []
         turn = {"system": "", "prompt": "", "response": ""}
+        budget = Budget.for_input(messages)  # one budget for all the turns
 
         def flush() -> None:
             out.append(self.execute({"System": turn["system"], "Prompt": turn["prompt"],
-                                     "Response": turn["response"], **think_values}))
+                                     "Response": turn["response"], **think_values}, budget=budget))
             turn.update(system="", prompt="", response="")
 
         for m in messages:
@@ -89,7 +92,7 @@ class GoTemplate:
                 turn["response"] = content
         cut = _cut_after_response(list(self.nodes))
         out.append(self.execute({"System": turn["system"], "Prompt": turn["prompt"],
-                                 "Response": turn["response"], **think_values}, cut))
+                                 "Response": turn["response"], **think_values}, cut, budget))
         return "".join(out)
 
 

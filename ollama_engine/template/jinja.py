@@ -20,6 +20,9 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from ollama_engine.template.limits import Budget, TemplateLimitError
+from ollama_engine.template.sandbox import BoundedSandbox, bounded_render
+
 
 class ChatTemplateError(ValueError):
     """The template does not compile, or it raised (raise_exception) for these messages."""
@@ -49,31 +52,9 @@ def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
 
 
-MAX_SIZE = 1 << 24  # the longest string or list `*` may build, and the largest result of `**`, in a template
-
-
-class _BoundedSandbox(ImmutableSandboxedEnvironment):
-    """The sandbox, with `*` and `**` bounded: `{{ 'a' * 10**10 }}` in a model file must not take the server down
-    (jinja2 bounds only range())."""
-
-    intercepted_binops = frozenset(["*", "**"])
-
-    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-        if operator == "**":
-            if isinstance(left, int) and isinstance(right, int) and right > 0 and \
-                    abs(left) > 1 and right * max(abs(left), 2).bit_length() > MAX_SIZE:
-                raise jinja2.exceptions.SecurityError(f"{left} ** {right} is too large for a template")
-        elif isinstance(left, (str, list, tuple)) or isinstance(right, (str, list, tuple)):
-            sequence, count = (left, right) if isinstance(left, (str, list, tuple)) else (right, left)
-            if isinstance(count, int) and len(sequence) * count > MAX_SIZE:
-                raise jinja2.exceptions.SecurityError(f"a sequence of {len(sequence)} * {count} is too large for a "
-                                                      "template")
-        return super().call_binop(context, operator, left, right)
-
-
 def environment() -> ImmutableSandboxedEnvironment:
     """A fresh environment configured as transformers' _compile_jinja_template (in a bounded sandbox)."""
-    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -122,10 +103,15 @@ class ChatTemplate:
         variables: dict[str, Any] = {"bos_token": self.bos_token, "eos_token": self.eos_token, **kwargs}
         if think is not None:
             variables.setdefault("enable_thinking", think)
+        hf_messages, tool_list = [hf_message(m) for m in messages], list(tools) if tools else None
+        budget = Budget.for_input(hf_messages, tool_list)
         try:
-            return _compile(self.source).render(
-                messages=[hf_message(m) for m in messages], tools=list(tools) if tools else None,
-                add_generation_prompt=add_generation_prompt, **variables)
+            return bounded_render(_compile(self.source), budget, messages=hf_messages, tools=tool_list,
+                                  add_generation_prompt=add_generation_prompt, **variables)
+        except TemplateLimitError as error:
+            raise ChatTemplateError(f"chat template stopped: {error}") from error
+        except MemoryError as error:
+            raise ChatTemplateError("chat template stopped: out of memory") from error
         except jinja2.TemplateError as error:
             raise ChatTemplateError(str(error)) from error
         except (TypeError, ValueError, ArithmeticError, LookupError, RecursionError) as error:
