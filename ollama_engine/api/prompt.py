@@ -21,10 +21,11 @@ from ollama_engine.template import (
     ChatTemplateError,
     GoTemplate,
     TemplateError,
+    limits,
     parse_go_template,
     stop_words,
 )
-from ollama_engine.template.limits import RENDER_TIMEOUT, TemplateLimitError
+from ollama_engine.template.limits import TemplateLimitError
 
 from .catalog import Entry
 from .native import ApiError, split_options
@@ -36,8 +37,8 @@ _RENDERS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="template")
 RENDER_GRACE = 2.0  # seconds past RENDER_TIMEOUT before the caller stops waiting (the render stops itself)
 
 
-async def off_loop(render: Callable[[], str], timeout: float = RENDER_TIMEOUT + RENDER_GRACE) -> str:
-    """`render()` in a template worker thread, given up on (500) after `timeout` seconds.
+async def off_loop(render: Callable[[], str]) -> str:
+    """`render()` in a template worker thread, given up on (500) a little after the render's time limit.
 
     A Python thread cannot be killed: the bounds in template/limits.py (steps, sizes, a deadline checked
     at every step) are what make the render itself stop; this wait keeps the request from hanging if one
@@ -45,10 +46,10 @@ async def off_loop(render: Callable[[], str], timeout: float = RENDER_TIMEOUT + 
     """
     future = asyncio.get_running_loop().run_in_executor(_RENDERS, render)
     try:
-        return await asyncio.wait_for(future, timeout)
+        return await asyncio.wait_for(future, limits.RENDER_TIMEOUT + RENDER_GRACE)
     except asyncio.TimeoutError as err:
-        raise ApiError(500, f"template error: template exceeds its time limit of {RENDER_TIMEOUT:g} seconds") \
-            from err
+        raise ApiError(500, f"template error: template exceeds its time limit of {limits.RENDER_TIMEOUT:g} "
+                            "seconds") from err
 
 
 def think_value(value: Any) -> tuple[bool | None, str]:

@@ -18,7 +18,6 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ollama_engine.template.limits import Budget, TemplateLimitError
 from ollama_engine.template.sandbox import BoundedSandbox, bounded_render
@@ -52,10 +51,10 @@ def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
 
 
-def environment() -> ImmutableSandboxedEnvironment:
+def environment() -> BoundedSandbox:
     """A fresh environment configured as transformers' _compile_jinja_template (in a bounded sandbox)."""
     env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
+    env.set_filter("tojson", _tojson)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env

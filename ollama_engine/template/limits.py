@@ -90,7 +90,7 @@ class Budget:
         self.check_size(size, what)
         self.allocated += size
         if self.allocated > self.max_allocated:
-            raise TemplateLimitError(f"template builds more than {self.max_allocated} characters in all")
+            raise TemplateLimitError(f"template exceeds {self.max_allocated} characters built in all")
 
     def write(self, size: int) -> None:
         self.output += size

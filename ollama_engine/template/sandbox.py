@@ -198,6 +198,10 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         self.filters["_bounded_concat"] = _bounded_concat
         self.globals["lipsum"] = _bounded_lipsum
 
+    def set_filter(self, name: str, func: Callable[..., Any]) -> None:
+        """Add a filter, bounded like the built-in ones."""
+        self.filters[name] = _bounded_filter(name, func)
+
     def _parse(self, source: str, name: str | None, filename: str | None) -> nodes.Template:
         return _BoundLoops().visit(super()._parse(source, name, filename))
 
