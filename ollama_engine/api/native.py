@@ -155,6 +155,8 @@ def split_options(options: Any) -> tuple[Options, dict[str, Any]]:
             raise ApiError(400, f'option "num_batch" must be at least 1, got {value}')
     clean = {key: (int(value) if key in _INT_OPTIONS else value) for key, value in options.items()
              if value is not None}
+    if clean.get("num_predict") == 0:  # the runner reads 0 as no limit: capped at 10 * num_ctx like -1, not endless
+        clean["num_predict"] = -1
     sampling = {**SAMPLING_DEFAULTS, **{k: v for k, v in clean.items() if k not in RUNNER_OPTIONS}}
     return Options.from_request(clean), sampling
 
