@@ -21,6 +21,7 @@ import argparse
 import hashlib
 import json
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -131,6 +132,19 @@ def cuda_architectures(explicit: str | None) -> str:
     return "native"
 
 
+# ggml 0.25.3's AMX kernels crash (SIGSEGV in ggml_backend_amx_mul_mat, in llama.cpp's own build as well) on
+# the Xeons with AMX this project runs on; -march=native would compile them in. The llama.cpp reference that
+# the tests compare with is built with the same flags (dev.py), so both run the same kernels.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+def compiler_cmake_args() -> list[str]:
+    """Compiler flags for every ggml build of this project, ours and the reference's."""
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        return [f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
+    return []
+
+
 def cmake_options(args: argparse.Namespace) -> list[str]:
     options = [
         "-DCMAKE_BUILD_TYPE=Release",
@@ -145,7 +159,7 @@ def cmake_options(args: argparse.Namespace) -> list[str]:
         options.append("-DGGML_VULKAN=ON")
     # RDMA off: it would link libibverbs wherever CMake finds it, and TCP is what every host has
     options += ["-DGGML_RPC=ON", "-DGGML_RPC_RDMA=OFF"] if args.rpc else ["-DGGML_RPC=OFF"]
-    return options + list(args.cmake_arg)
+    return options + compiler_cmake_args() + list(args.cmake_arg)
 
 
 def run_logged(cmd: list[str], log: Path, show_progress: bool) -> None:

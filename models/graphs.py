@@ -64,15 +64,19 @@ class Graph:
         for name, values in self.model.batch_inputs(batch).items():
             self.ctx.set_input(name, values)
 
-    def run(self) -> np.ndarray | None:
+    def run(self, copy: bool = True) -> np.ndarray | None:
         """Compute the bound batch: its logits (outputs, vocab), or None if no row wants logits.
 
-        The logits are a view of the graph's output where that is in host memory: valid until the backend
-        computes again (this graph or any other, e.g. a cache shift on another thread); copy what you keep.
+        copy: the caller's to keep, copied before another thread can compute on the backend (the runner's
+        batch builder computes cache shifts on its own thread: a copy taken after the compute returned
+        could already hold the shift's values). Else a view of the graph's output where that is in host
+        memory, valid until the backend computes again: for a caller that computes on one thread.
         """
         if self.logits is None:
             self.ctx.compute()
             return None
+        if copy:
+            return self.ctx.compute(read=self.logits).reshape(self.logits.ne[1], -1)
         self.ctx.compute(self.logits)
         if self._view is not None and self._view[0] == self.ctx.allocations:
             return self._view[1]  # a view of host memory that has not moved
@@ -123,8 +127,7 @@ class Graphs:
         graph = self.acquire(batch)
         try:
             graph.bind(batch)
-            logits = graph.run()
-            return logits.copy() if copy and logits is not None else logits
+            return graph.run(copy)
         finally:
             self.release(graph)
 

@@ -272,7 +272,7 @@ class LoadRequest:
             batch_size=self.batch_size,
             kv_size=self.kv_size,
             kv_cache_type=self.kv_cache_type,
-            flash_attention=self.flash_attention == 1,
+            flash_attention=self.flash_attention,
             num_threads=self.num_threads,
             gpu_layers=tuple(self.gpu_layers),
             multi_user_cache=self.multi_user_cache,

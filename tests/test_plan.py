@@ -43,8 +43,8 @@ def run_json(model: Path, capsys, *argv: str) -> dict:
 
 @pytest.fixture(scope="module")
 def cpu_memory(model) -> BackendMemory:
-    """What fit measures with no GPU: every layer on the CPU."""
-    plan = make_plan(str(model), LoadOptions(num_ctx=256, batch_size=32), [], False,
+    """What fit measures with no GPU: every layer on the CPU, with flash attention (the default there)."""
+    plan = make_plan(str(model), LoadOptions(num_ctx=256, batch_size=32, flash_attention=1), [], False,
                      SystemInfo(total_memory=64 * GIB, free_memory=32 * GIB))
     assert plan.layout.sum() == 0 and plan.fits
     return plan.memory
@@ -156,7 +156,17 @@ def test_options_change_what_is_measured(model, capsys, cpu_memory):
     bigger = BackendMemory.from_json(run_json(model, capsys, "--ctx", "512", "--parallel", "2")["memory"])
     assert sum(bigger.cpu.cache) == 4 * sum(cpu_memory.cpu.cache)  # twice the context for twice the sequences
     flash = BackendMemory.from_json(run_json(model, capsys, "--flash-attention")["memory"])
-    assert flash.cpu.cache == cpu_memory.cpu.cache
+    assert flash.to_json() == cpu_memory.to_json()  # on is the default
+    plain = BackendMemory.from_json(run_json(model, capsys, "--flash-attention", "off")["memory"])
+    assert plain.cpu.cache == cpu_memory.cpu.cache and plain.cpu.graph != cpu_memory.cpu.graph
+
+
+def test_flash_attention_choice_is_shown(model, capsys):
+    """Auto (the default, as serve's) is on where every device supports it; the reason is printed."""
+    assert "flash attention on (auto: supported by every device)" in run(model, capsys)[1]
+    assert "flash attention off (OLLAMA_FLASH_ATTENTION=false)" in run(model, capsys, "--flash-attention", "off")[1]
+    chosen = run_json(model, capsys, "--gpu", "CUDA:GPU-0:8GiB")["flash_attention"]
+    assert chosen == {"enabled": True, "reason": "on (auto: supported by every device)"}
 
 
 def test_kv_type_is_measured(tmp_path, capsys):

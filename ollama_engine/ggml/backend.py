@@ -140,6 +140,21 @@ def supports_matmul_weight(dev, buft, ggml_type: int, shape: tuple[int, ...], ex
         lib.ggml_free(ctx)
 
 
+def supports_flash_attention(dev, head_dim: int = 128, kv_type: int = lib.GGML_TYPE_F16) -> bool:
+    """Whether the device runs ggml's fused attention on an F16 cache of this head size (llama.cpp's auto check)."""
+    ctx = lib.ggml_init({"mem_size": 6 * lib.ggml_tensor_overhead(), "mem_buffer": NULL, "no_alloc": True})
+    try:
+        query = lib.ggml_new_tensor_4d(ctx, lib.GGML_TYPE_F32, head_dim, 1, 1, 1)
+        key = lib.ggml_new_tensor_4d(ctx, kv_type, head_dim, 256, 1, 1)
+        value = lib.ggml_new_tensor_4d(ctx, kv_type, head_dim, 256, 1, 1)
+        mask = lib.ggml_new_tensor_4d(ctx, lib.GGML_TYPE_F16, 256, 1, 1, 1)
+        node = lib.ggml_flash_attn_ext(ctx, query, key, value, mask, 1.0, 0.0, 0.0)
+        lib.ggml_flash_attn_ext_set_prec(node, lib.GGML_PREC_F32)
+        return bool(lib.ggml_backend_dev_supports_op(dev, node))
+    finally:
+        lib.ggml_free(ctx)
+
+
 def alignment(buft) -> int:
     return lib.ggml_backend_buft_get_alignment(buft)
 

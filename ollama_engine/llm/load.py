@@ -44,6 +44,7 @@ class LoadOptions:
     num_gpu: int = -1  # layers to offload; -1: as many as fit
     num_threads: int = 0
     flash_attention: int = 0  # -1 auto, 0 disabled, 1 enabled
+    flash_attention_reason: str = ""  # how the parent chose it (shown by `plan`), not sent
     kv_cache_type: str = ""
     multi_user_cache: bool = False
     gpu_overhead: int = 0  # OLLAMA_GPU_OVERHEAD

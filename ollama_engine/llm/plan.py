@@ -28,6 +28,7 @@ from ollama_engine.ml.memory import (
     GPULayersList,
     SystemInfo,
     human_bytes2,
+    resolve_flash_attention,
 )
 from ollama_engine.runner.allocate import open_model
 from ollama_engine.server.wire import LoadOperation, LoadRequest
@@ -203,6 +204,8 @@ def plan_json(plan: Plan) -> dict[str, Any]:
             for gpu in plan.gpus
         ],
         "system": plan.system.to_json(),
+        "flash_attention": {"enabled": plan.options.flash_attention == 1,
+                            "reason": plan.options.flash_attention_reason},
         "fits": plan.fits,
         "error": plan.error,
         "offloaded_layers": plan.layout.sum(),
@@ -311,7 +314,7 @@ def plan_text(plan: Plan) -> str:
         f"model    {plan.model}  ({plan.total_layers} layers: {plan.total_layers - 1} repeating + output)",
         f"options  ctx {options.num_ctx} x {options.parallel} parallel, "
         f"batch {min(options.batch_size, options.num_ctx)}, KV cache {options.kv_cache_type or 'f16'}, "
-        f"flash attention {'on' if options.flash_attention == 1 else 'off'}, "
+        f"flash attention {options.flash_attention_reason or ('on' if options.flash_attention == 1 else 'off')}, "
         f"num_gpu {'auto' if options.num_gpu < 0 else options.num_gpu}",
         f"system   {human_bytes2(plan.system.free_memory)} free of {human_bytes2(plan.system.total_memory)} RAM, "
         f"{human_bytes2(plan.system.free_swap)} swap free",
@@ -347,7 +350,8 @@ def add_plan_command(subparsers: argparse._SubParsersAction) -> None:
     plan.add_argument("--parallel", type=int, default=LoadOptions.parallel, help="sequences served at once")
     plan.add_argument("--batch", type=int, default=LoadOptions.batch_size, help="prompt batch size")
     plan.add_argument("--kv-type", default="", help="KV cache type: f16 (default), q8_0, q4_0")
-    plan.add_argument("--flash-attention", action="store_true", help="plan with flash attention")
+    plan.add_argument("--flash-attention", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
+                      help="auto (default, as serve: on where every GPU supports it), on or off")
     plan.add_argument("--num-gpu", type=int, default=-1, help="layers to offload (default: as many as fit)")
     plan.add_argument("--gpu", action="append", default=[], metavar="LIBRARY:ID:FREE",
                       help="a simulated GPU, e.g. CUDA:GPU-0:8GiB (repeatable); default: the GPUs present")
@@ -360,10 +364,12 @@ def run_plan(args: argparse.Namespace) -> int:
     for name, value in [("--ctx", args.ctx), ("--parallel", args.parallel), ("--batch", args.batch)]:
         if value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
-    options = LoadOptions(num_ctx=args.ctx, parallel=args.parallel, batch_size=args.batch, num_gpu=args.num_gpu,
-                          flash_attention=1 if args.flash_attention else 0, kv_cache_type=args.kv_type)
     simulated = parse_gpus(args.gpu)
     gpus = simulated or present_gpus()
+    setting = {"auto": None, "on": True, "off": False}[args.flash_attention]
+    flash, flash_why = resolve_flash_attention(setting, gpus)
+    options = LoadOptions(num_ctx=args.ctx, parallel=args.parallel, batch_size=args.batch, num_gpu=args.num_gpu,
+                          flash_attention=flash, kv_cache_type=args.kv_type, flash_attention_reason=flash_why)
     plan = make_plan(args.model, options, gpus, bool(simulated), system_info())
     if args.json:
         json.dump(plan_json(plan), sys.stdout, indent=2)

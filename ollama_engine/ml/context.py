@@ -185,9 +185,13 @@ class Context:
         self._graph = (key, graph)
         return graph
 
-    def compute(self, *outputs: Tensor) -> None:
-        """Run the graph; afterwards `outputs` (and forwarded tensors) can be read with numpy()."""
-        graph = self._build(outputs)
+    def compute(self, *outputs: Tensor, read: Tensor | None = None) -> np.ndarray | None:
+        """Run the graph; afterwards `outputs` (and forwarded tensors) can be read with numpy().
+
+        read: a copy of this output, taken before another thread may compute on the backend (a graph's
+        outputs live in the scheduler's compute buffers, which the next graph reuses).
+        """
+        graph = self._build(outputs if read is None else (*outputs, read))
         backend, scheduler = self.backend, self.backend.scheduler
         with backend.compute_lock:
             if backend.allocated_graph is not graph:
@@ -207,6 +211,7 @@ class Context:
             finally:
                 backend.last_compute = time.monotonic()
             backend.compute_seconds += time.perf_counter() - started
+            return read.numpy() if read is not None else None
 
     def reserve(self, *outputs: Tensor) -> None:
         """Size the compute buffers this graph needs (and allocate them unless fitting)."""

@@ -46,6 +46,9 @@ class Device:
     def free_memory(self) -> int:
         return ggml_backend.device_memory(self.handle)[0]
 
+    def supports_flash_attention(self) -> bool:
+        return self.kind == "CPU" or ggml_backend.supports_flash_attention(self.handle)
+
     def matches(self, device_id: DeviceID) -> bool:
         return self.id == device_id.id and self.library == device_id.library
 

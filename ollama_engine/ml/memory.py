@@ -363,3 +363,45 @@ def group_by_performance(gpus: list[DeviceInfo]) -> list[list[DeviceInfo]]:
         groups.setdefault(gpu.integrated, []).append(gpu)
     return list(groups.values())
 
+
+
+# ---------------------------------------------------------------- flash attention
+
+
+class FlashAttention:
+    """The wire's FlashAttention (Ollama's ml.FlashAttentionType): -1 auto, 0 disabled, 1 enabled."""
+
+    AUTO = -1
+    DISABLED = 0
+    ENABLED = 1
+
+
+def flash_attention_supported(gpus: list[DeviceInfo] | tuple[DeviceInfo, ...]) -> bool:
+    """Ollama's FlashAttentionSupported: every GPU is Metal, ROCm, Vulkan, or CUDA (driver 7+, not compute 7.2)."""
+    for gpu in gpus:
+        library = gpu.device_id.library
+        if library == "CUDA":
+            if gpu.driver_major and gpu.driver_major < 7 or (gpu.compute_major, gpu.compute_minor) == (7, 2):
+                return False
+        elif library not in ("cpu", "CPU", "Metal", "ROCm", "Vulkan", "RPC"):
+            return False
+    return True
+
+
+def resolve_flash_attention(setting: bool | None, gpus: list[DeviceInfo] | tuple[DeviceInfo, ...]) -> tuple[int, str]:
+    """On or off, and why. setting: OLLAMA_FLASH_ATTENTION (None when unset: auto).
+
+    Auto is on wherever every device supports it: every architecture of models/ attends through
+    kvcache.attention, which runs ggml's fused kernel with every cache type. It is also what makes a
+    result independent of how a prompt is cut into batches (a prompt-cache hit re-evaluates the last
+    token alone): the fused kernel computes each query row by itself, while the matmul path's one-row
+    and many-row kernels round differently on some CPUs (README, "Numerics").
+    """
+    supported = flash_attention_supported(gpus)
+    if setting is False:
+        return FlashAttention.DISABLED, "off (OLLAMA_FLASH_ATTENTION=false)"
+    if not supported:
+        return FlashAttention.DISABLED, "off (not supported by every GPU)"
+    if setting:
+        return FlashAttention.ENABLED, "on (OLLAMA_FLASH_ATTENTION=true)"
+    return FlashAttention.ENABLED, "on (auto: supported by every device)"

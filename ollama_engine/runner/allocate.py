@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ollama_engine.kvcache import Batch, ShiftError, cache_dtype
-from ollama_engine.ml import BackendMemory, Context, GPULayers
+from ollama_engine.ml import BackendMemory, Context, GPULayers, gpu_devices
+from ollama_engine.ml.memory import FlashAttention
 from ollama_engine.models import Model, load_model
 from ollama_engine.runner.cache import InputCache
 
@@ -30,7 +31,7 @@ class LoadParams:
     batch_size: int = 512
     kv_size: int = 2048
     kv_cache_type: str = ""
-    flash_attention: bool = False
+    flash_attention: int = FlashAttention.DISABLED  # -1 auto: on where every device used supports it
     num_threads: int = 0  # 0: the backend's default
     gpu_layers: tuple[GPULayers, ...] = field(default_factory=tuple)
     multi_user_cache: bool = False
@@ -53,6 +54,19 @@ class LoadedModel:
         self.model.close()
 
 
+def _flash_attention(params: LoadParams) -> bool:
+    """Resolve auto (a parent that leaves the choice to the runner, as Ollama's llama engine does)."""
+    if params.flash_attention != FlashAttention.AUTO:
+        return params.flash_attention == FlashAttention.ENABLED
+    used = {layers.device_id for layers in params.gpu_layers if layers.layers}
+    unsupported = [gpu.name for gpu in gpu_devices() if gpu.device_id in used and not gpu.supports_flash_attention()]
+    if unsupported:
+        log.debug("flash attention off (auto: not supported by %s)", ", ".join(unsupported))
+        return False
+    log.debug("flash attention on (auto: supported by every device used)")
+    return True
+
+
 def open_model(path: str, params: LoadParams, allocate: bool) -> LoadedModel:
     """Build the model and size (or allocate) everything it will use.
 
@@ -60,7 +74,7 @@ def open_model(path: str, params: LoadParams, allocate: bool) -> LoadedModel:
     """
     model = load_model(
         path, params.gpu_layers, allocate=allocate, num_threads=params.num_threads or None,
-        flash_attention=params.flash_attention,
+        flash_attention=_flash_attention(params),
     )
     try:
         parallel, batch_size = params.parallel, params.batch_size

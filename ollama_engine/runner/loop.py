@@ -34,7 +34,7 @@ from ollama_engine.runner.allocate import LoadedModel
 from ollama_engine.runner.cache import ReprocessInputsError
 from ollama_engine.runner.inputs import Input
 from ollama_engine.runner.sequence import DoneReason, Piece, Sequence, SequenceOptions, fit_prompt
-from ollama_engine.sample import GrammarError, GrammarVocab, calculate_logprobs
+from ollama_engine.sample import GrammarError, GrammarVocab, NonFiniteLogitsError, calculate_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -241,9 +241,7 @@ class Runner:
             placeholders = self._advance(state)
             state.graph.bind(state.batch)
             state.compute_started.set()
-            logits = state.graph.run()
-            if logits is not None:  # a copy: the batch builder may compute a cache shift while we sample
-                logits = logits.copy()
+            logits = state.graph.run()  # a copy: the batch builder may compute a cache shift while we sample
             now = time.monotonic()
             with self.cond, self.hold_output():
                 for index, (placeholder, row) in placeholders.items():
@@ -299,7 +297,7 @@ class Runner:
                 return
             if grammar is not None:
                 grammar.accept(token)
-        except GrammarError as err:
+        except (GrammarError, NonFiniteLogitsError) as err:  # ends this sequence only
             seq.error = str(err)
             self._remove(index, DoneReason.STOP)
             return

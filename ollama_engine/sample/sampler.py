@@ -32,6 +32,10 @@ def _integer(name: str, value: Any) -> int:
     return value
 
 
+class NonFiniteLogitsError(ValueError):
+    """The model computed NaN or infinite logits: that sequence cannot go on (the others can)."""
+
+
 class Sampler:
     """Sampling settings plus the random generator of one request.
 
@@ -85,7 +89,10 @@ class Sampler:
         if logits.size == 0:
             raise ValueError("sample: no logits provided to sample")
         if self.temperature == 0.0:
-            return int(np.argmax(logits))
+            token = int(np.argmax(logits))  # the first NaN if there is one
+            if not np.isfinite(logits[token]):
+                raise NonFiniteLogitsError(f"sample: the model computed a logit of {logits[token]}")
+            return token
 
         ids = transforms.top_k(logits, self.top_k)
         probs = transforms.softmax(transforms.temperature(logits[ids], self.temperature))
@@ -93,7 +100,7 @@ class Sampler:
 
         cumulative = np.cumsum(probs, dtype=np.float32)
         total = cumulative[-1]
-        if np.isnan(total):
-            raise ValueError("sample: logits sum to NaN, check model output")
+        if not np.isfinite(total):
+            raise NonFiniteLogitsError("sample: logits sum to NaN, check model output")
         r = self.rng.random(dtype=np.float32) * total
         return int(ids[np.searchsorted(cumulative, r, side="left")])

@@ -19,7 +19,7 @@ import aiohttp
 from ollama_engine.envconfig import EnvConfig
 from ollama_engine.llm.load import LoadOptions, load
 from ollama_engine.llm.runner_handle import RunnerError, RunnerHandle, visible_devices_env
-from ollama_engine.ml.memory import BackendMemory, DeviceID, DeviceInfo, SystemInfo
+from ollama_engine.ml.memory import BackendMemory, DeviceID, DeviceInfo, SystemInfo, resolve_flash_attention
 from ollama_engine.server.wire import ServerStatus
 
 from .types import RUNNER_STOPPED, ModelInfo, Options, RunnerFailedError, StatusError
@@ -104,15 +104,20 @@ class LlamaServer:
 
     # ------------------------------------------------------------ loading
 
-    def _load_options(self) -> LoadOptions:
-        flash = {None: -1, True: 1, False: 0}[self.config.flash_attention]
+    def _load_options(self, gpus: Sequence[DeviceInfo]) -> LoadOptions:
+        flash, why = resolve_flash_attention(self.config.flash_attention, tuple(gpus))
+        log.info("flash attention %s model=%s", why, self.model_path)
+        kv_cache_type = self.config.kv_cache_type
+        if not flash and kv_cache_type not in ("", "f16"):
+            log.warning("quantized kv cache requested but flash attention disabled type=%s", kv_cache_type)
+            kv_cache_type = ""
         assert self.options.num_ctx is not None and self.options.num_batch is not None
         return LoadOptions(
             num_ctx=self.options.num_ctx, parallel=self.num_parallel,
             batch_size=self.options.num_ctx if self.info.embedding else self.options.num_batch,
             num_gpu=self.options.num_gpu if self.options.num_gpu is not None else -1,
             num_threads=max(self.options.num_thread or 0, 0), flash_attention=flash,  # <= 0: the default
-            kv_cache_type=self.config.kv_cache_type, gpu_overhead=self.config.gpu_overhead,
+            kv_cache_type=kv_cache_type, gpu_overhead=self.config.gpu_overhead,
             sched_spread=self.config.sched_spread,
         )
 
@@ -120,7 +125,7 @@ class LlamaServer:
         """fit → alloc → commit; raises LoadRequiredFullError when require_full and it does not fit."""
         await asyncio.to_thread(self.handle.wait_launched)
         result = await asyncio.to_thread(
-            load, _Recorder(self), system_info, gpus, self.info.block_count + 1, self._load_options(), require_full
+            load, _Recorder(self), system_info, gpus, self.info.block_count + 1, self._load_options(gpus), require_full
         )
         self.memory = result.memory
         return result.device_ids()
