@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 
+from ollama_engine.llm.runner_handle import watch_parent
+
 from .app import serve
 
 
@@ -27,5 +29,6 @@ def add_runner_command(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_runner(args: argparse.Namespace) -> int:
+    watch_parent()  # a runner never outlives the serve that started it
     serve(args.model or None, args.host, args.port)
     return 0

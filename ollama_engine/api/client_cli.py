@@ -11,14 +11,17 @@ import argparse
 import hashlib
 import json
 import sys
+import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TextIO
 
 from ollama_engine.envconfig import EnvConfig
 from ollama_engine.store import parse_modelfile
+
+UPLOAD_CHUNK = 1 << 20
 
 
 class ClientError(RuntimeError):
@@ -32,13 +35,14 @@ def base_url() -> str:
     return f"http://{host}:{config.port}"
 
 
-def request(method: str, path: str, body: Any = None, data: bytes | BinaryIO | None = None,
-            timeout: float | None = None) -> Any:
-    """Open a request to serve; the response object (a context manager), errors as ClientError."""
+def request(method: str, path: str, body: Any = None, data: bytes | BinaryIO | Iterable[bytes] | None = None,
+            timeout: float | None = None, headers: dict[str, str] | None = None) -> Any:
+    """Open a request to serve; the response object (a context manager), errors as ClientError. `data` may be
+    an iterable of chunks (streamed; give its Content-Length in `headers`, else it goes chunked)."""
     url = base_url() + path
     if body is not None:
         data = json.dumps(body).encode()
-    headers = {"Content-Type": "application/json"} if body is not None else {}
+    headers = {**({"Content-Type": "application/json"} if body is not None else {}), **(headers or {})}
     req = urllib.request.Request(url, data=data, method=method, headers=headers)  # type: ignore[arg-type]
     try:
         return urllib.request.urlopen(req, timeout=timeout)
@@ -122,21 +126,61 @@ def run_show(args: argparse.Namespace) -> int:
 def _digest(path: Path) -> str:
     sha = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
+        while chunk := f.read(UPLOAD_CHUNK):
             sha.update(chunk)
     return "sha256:" + sha.hexdigest()
 
 
-def upload_blob(path: Path) -> str:
-    """POST /api/blobs/<digest> unless serve already has it (HEAD); the digest."""
+class UploadProgress:
+    """`copying file sha256:… 42% (1.2 GB/2.8 GB)` on stderr: redrawn in place on a terminal, otherwise one line
+    at the end (logs stay short)."""
+
+    def __init__(self, digest: str, total: int, out: TextIO | None = None) -> None:
+        self.digest, self.total, self.out = digest, total, out or sys.stderr
+        self.interactive = self.out.isatty()
+        self.last_draw = 0.0
+
+    def update(self, done: int) -> None:
+        now = time.monotonic()
+        if self.interactive and (now - self.last_draw >= 0.1 or done >= self.total):
+            self.last_draw = now
+            print(f"\r{self.line(done)}", end="", file=self.out, flush=True)
+
+    def finish(self) -> None:
+        print(f"\r{self.line(self.total)}" if self.interactive else self.line(self.total), file=self.out)
+
+    def line(self, done: int) -> str:
+        percent = 100 * done // self.total if self.total else 100
+        return f"copying file {self.digest} {percent}% ({human_size(done)}/{human_size(self.total)})"
+
+
+def file_chunks(path: Path, progress: UploadProgress | None = None) -> Iterator[bytes]:
+    """The file 1 MiB at a time (never read whole), reporting how much went out."""
+    done = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(UPLOAD_CHUNK):
+            done += len(chunk)
+            yield chunk
+            if progress is not None:
+                progress.update(done)
+
+
+def upload_blob(path: Path, show_progress: bool = False) -> str:
+    """POST /api/blobs/<digest> unless serve already has it (HEAD), streaming the file with its length; the
+    digest."""
     digest = _digest(path)
     try:
         with request("HEAD", f"/api/blobs/{digest}"):
             return digest
     except ClientError:
         pass
-    with open(path, "rb") as f, request("POST", f"/api/blobs/{digest}", data=f) as response:
+    size = path.stat().st_size
+    progress = UploadProgress(digest, size) if show_progress else None
+    with request("POST", f"/api/blobs/{digest}", data=file_chunks(path, progress),
+                 headers={"Content-Length": str(size)}) as response:
         response.read()
+    if progress is not None:
+        progress.finish()
     return digest
 
 
@@ -146,7 +190,7 @@ def run_create(args: argparse.Namespace) -> int:
     body, uploads = modelfile.create_request(path.parent)
     for digest, file in uploads.items():
         print(f"uploading {file}", file=sys.stderr)
-        uploaded = upload_blob(Path(file))
+        uploaded = upload_blob(Path(file), show_progress=True)
         if uploaded != digest:
             raise ClientError(f"{file} changed while uploading")
     body.update(model=args.model, stream=True)

@@ -8,18 +8,23 @@
   is not a loopback, private or local address, localhost, this machine's name, or *.localhost / *.local /
   *.internal. A web page on another site cannot reach it by pointing its own DNS name at 127.0.0.1.
 - Errors: 404 and 405 with gin's texts; a body over the limit is a JSON 413; an unexpected exception is
-  logged with its traceback and answered `{"error": ...}` 500, never a traceback.
+  logged with its traceback and answered `{"error": ...}` 500, never a traceback; once a stream has started,
+  as one `{"error": ...}` line that ends it (never a second HTTP response inside the chunked body).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import ipaddress
 import logging
 import socket
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 from aiohttp import web
+
+from ollama_engine.server.wire import encode
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +173,30 @@ def host_middleware(bind_host: str) -> Callable[[web.Request, Handler], Awaitabl
     return hosts
 
 
+# The request's key for the response a handler has started (a typed key where aiohttp has them, 3.12+).
+STARTED_RESPONSE: Any = (web.RequestKey("started_response", web.StreamResponse) if hasattr(web, "RequestKey")
+                         else "ollama_engine.started_response")
+
+
+async def remember_started(request: web.Request, response: web.StreamResponse) -> None:
+    """on_response_prepare: note the response whose headers are going out, so that an error after that point
+    ends this response instead of starting a second one inside its body."""
+    request[STARTED_RESPONSE] = response
+
+
+async def end_stream_with_error(response: web.StreamResponse, message: str) -> web.StreamResponse:
+    """An error once a stream has started: Ollama's `{"error": ...}` line (a `data:` event on an SSE stream),
+    then the end of the response (aiohttp writes the last chunk when the handler returns it)."""
+    if response.content_type == "text/event-stream":
+        line = b"data: " + encode({"error": {"message": message, "type": "api_error", "param": None,
+                                             "code": None}}).rstrip(b"\n") + b"\n\n"
+    else:
+        line = encode({"error": message})
+    with contextlib.suppress(ConnectionError, RuntimeError):  # the client is gone, or the stream already ended
+        await response.write(line)
+    return response
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
@@ -182,4 +211,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         raise
     except Exception as err:  # a bug: log it whole, answer without the traceback
         log.exception("%s %s failed", request.method, request.path)
-        return web.json_response({"error": f"internal error: {type(err).__name__}: {err}"}, status=500)
+        message = f"internal error: {type(err).__name__}: {err}"
+        started = request.get(STARTED_RESPONSE)
+        if started is not None and started.prepared:  # a second response now would be bytes inside the body
+            return await end_stream_with_error(started, message)
+        return web.json_response({"error": message}, status=500)

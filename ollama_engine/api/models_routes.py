@@ -12,7 +12,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from aiohttp import web
+from aiohttp import StreamReader, web
 
 from ollama_engine.sched import Scheduler
 from ollama_engine.store import ModelNotFound, Store, StoreError, check_digest
@@ -23,6 +23,8 @@ from .native import ApiError, json_response, read_json
 from .pull import pull_model
 
 log = logging.getLogger(__name__)
+
+UPLOAD_CHUNK = 1 << 20  # bytes handed to the writer thread at a time
 
 
 def store_error(err: StoreError) -> ApiError:
@@ -57,6 +59,38 @@ async def in_thread_with_progress(work: Callable[[Callable[[dict[str, Any]], Non
                 return
     finally:
         await task
+
+
+async def receive_blob(content: StreamReader, store: Store, expected: str) -> bool:
+    """Write an upload into the store as it arrives: the event loop reads the next MiB while a worker thread
+    hashes and writes the previous one (memory: two buffers). True if the blob was created, False if it was
+    already there. The temp file is removed on any failure, a client that goes away included (the handler is
+    cancelled); a write that fails (a full disk) reads the rest of the body away so that the client gets the
+    error rather than a broken pipe."""
+    loop = asyncio.get_running_loop()
+    writer = store.blob_writer(expected)
+    pending: asyncio.Future[None] | None = None
+    buffer = bytearray()
+    try:
+        async for data in content.iter_any():
+            buffer += data
+            if len(buffer) >= UPLOAD_CHUNK:
+                if pending is not None:
+                    await pending
+                pending, buffer = loop.run_in_executor(None, writer.write, buffer), bytearray()
+        if pending is not None:
+            await pending
+        _, created = await loop.run_in_executor(None, writer.commit, store.blob_path, buffer)
+        return created
+    except ConnectionError:  # the client went away (not the disk)
+        raise
+    except OSError as err:
+        writer.abort()
+        async for _ in content.iter_any():
+            pass
+        raise StoreError(f"write blob {expected}: {err.strerror or err}") from err
+    finally:
+        writer.abort()
 
 
 def collect_status(chunks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -125,6 +159,8 @@ class ModelRoutes:
                 raise store_error(err) from err
             except (TypeError, ValueError, AttributeError) as err:
                 raise ApiError(400, str(err)) from err
+            except OSError as err:  # a full disk: the OS's words, not the server's paths
+                raise ApiError(500, f"write to the model store: {err.strerror or err}") from err
             yield {"status": "success"}
 
         response = await respond_ndjson(request, chunks(), body.get("stream") is not False, collect_status)
@@ -143,13 +179,13 @@ class ModelRoutes:
             return store_error(err).response()
 
     async def blob_post(self, request: web.Request) -> web.Response:
+        """Stream the body into a temp file in the store while hashing it; no size limit but the disk."""
         digest = request.match_info["digest"]
         try:
-            check_digest(digest)
-            if self.store.has_blob(digest):
+            expected = check_digest(digest)
+            if self.store.has_blob(expected):
                 return web.Response(status=200)
-            data = await request.read()
-            _, created = await asyncio.to_thread(self.store.write_blob, data, digest)
+            created = await receive_blob(request.content, self.store, expected)
             return web.Response(status=201 if created else 200)
         except StoreError as err:
             return store_error(err).response()

@@ -15,7 +15,7 @@ from typing import Any
 
 import aiohttp
 
-from ollama_engine.store import Layer, Manifest, Store, check_digest, layout, parse_name
+from ollama_engine.store import Layer, Manifest, Store, StoreError, check_digest, layout, parse_name
 
 from .native import ApiError
 
@@ -28,6 +28,10 @@ async def pull_model(store: Store, model: str, insecure: bool = False) -> AsyncI
     name = parse_name(model)
     if not name.is_valid():
         raise ApiError(400, "invalid model name")
+    try:
+        manifest_path = store.manifest_path(name)
+    except StoreError as err:  # a part too long to be a file name
+        raise ApiError(err.status, str(err)) from err
     base = f"{'http' if insecure else 'https'}://{name.host}/v2/{name.namespace}/{name.model}"
     yield {"status": "pulling manifest"}
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=15, sock_read=60)
@@ -43,15 +47,17 @@ async def pull_model(store: Store, model: str, insecure: bool = False) -> AsyncI
             raise ApiError(500, f"pull model manifest: cannot reach the registry {name.host}: {err}") from err
         try:
             manifest = Manifest.from_bytes(raw)
-        except (ValueError, TypeError, KeyError) as err:
+            layers: list[Layer] = [*manifest.layers, *([manifest.config] if manifest.config.digest else [])]
+            for layer in layers:
+                check_digest(layer.digest)  # a digest is a file name below blobs/: never `sha256:../..`
+        except (ValueError, TypeError, KeyError, StoreError) as err:
             raise ApiError(500, f"pull model manifest: bad manifest: {err}") from err
-        layers: list[Layer] = [*manifest.layers, *([manifest.config] if manifest.config.digest else [])]
         for layer in layers:
             async for status in _pull_blob(session, store, base, layer):
                 yield status
     yield {"status": "verifying sha256 digest"}
     yield {"status": "writing manifest"}
-    layout.write_atomically(store.manifest_path(name), [raw])
+    layout.write_atomically(manifest_path, [raw])
     yield {"status": "success"}
 
 
@@ -63,7 +69,7 @@ async def _pull_blob(session: aiohttp.ClientSession, store: Store, base: str,
         yield {**status, "completed": layer.size}
         return
     store.blobs_dir.mkdir(parents=True, exist_ok=True)
-    temp = store.blobs_dir / f"tmp-pull-{os.getpid()}-{digest[7:23]}"
+    temp = layout.temp_path(store.blobs_dir, f"pull-{digest[7:19]}")  # this pull's own: two pulls of one blob
     sha, done = hashlib.sha256(), 0
     try:
         async with session.get(f"{base}/blobs/{digest}") as response:
@@ -81,6 +87,8 @@ async def _pull_blob(session: aiohttp.ClientSession, store: Store, base: str,
         os.replace(temp, store.blob_path(digest))
     except aiohttp.ClientError as err:
         raise ApiError(500, f"pull blob {digest}: {err}") from err
+    except OSError as err:  # a full disk
+        raise ApiError(500, f"pull blob {digest}: {err.strerror or err}") from err
     finally:
         temp.unlink(missing_ok=True)
     if done == 0:

@@ -7,6 +7,7 @@ down (SIGINT, SIGTERM) stops every runner subprocess.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from aiohttp import web
@@ -19,7 +20,7 @@ from ollama_engine.store import Store
 from .catalog import Catalog
 from .chat import chat_routes
 from .embed import embed_routes
-from .middleware import allowed_origins, cors_middleware, error_middleware, host_middleware
+from .middleware import allowed_origins, cors_middleware, error_middleware, host_middleware, remember_started
 from .models_routes import model_routes
 from .native import native_routes
 from .openai import openai_routes
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 
 SCHEDULER = web.AppKey("scheduler", Scheduler)
 CONFIG = web.AppKey("config", EnvConfig)
+# The body limit of the JSON routes (request.read()/json()); POST /api/blobs streams (request.content), unlimited.
 MAX_BODY = 1 << 30
 SHUTDOWN_TIMEOUT = 5.0  # seconds for in-flight handlers once the runners are gone
 
@@ -43,6 +45,7 @@ def create_app(config: EnvConfig | None = None, scheduler: Scheduler | None = No
 
     middlewares = [cors_middleware(allowed_origins(config.origins)), host_middleware(config.host), error_middleware]
     app = web.Application(client_max_size=MAX_BODY, middlewares=middlewares)
+    app.on_response_prepare.append(remember_started)
     app[SCHEDULER] = scheduler
     app[CONFIG] = config
     native_routes(app, scheduler, resolve)
@@ -52,6 +55,9 @@ def create_app(config: EnvConfig | None = None, scheduler: Scheduler | None = No
     openai_routes(app, chat, embed)
 
     async def start(app: web.Application) -> None:
+        removed = await asyncio.to_thread(catalog.store.remove_temp_files)
+        if removed:
+            log.info("removed %d temporary files of interrupted uploads and pulls", len(removed))
         scheduler.run()
 
     async def stop(app: web.Application) -> None:

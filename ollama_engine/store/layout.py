@@ -9,11 +9,14 @@ encoder rules (field order, compact, trailing newline) to give the same bytes Ol
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
-from collections.abc import Iterable
+import threading
+import uuid
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -34,6 +37,10 @@ MEDIA_LICENSE = "application/vnd.ollama.image.license"
 
 DIGEST_RE = re.compile(r"sha256[:-][0-9a-fA-F]{64}")  # used with fullmatch
 _CHUNK = 1 << 20
+NAME_MAX = 255  # bytes in one file name (Linux, macOS): a longer name part cannot be a manifest path
+# Temp files of a write in progress, with the pid of the process writing: `.<label>.<pid>.<random>.partial`
+# (temp_path), and the older `tmp-<pid>-<n>` / `tmp-pull-<pid>-<hex>` names.
+_TEMP_RES = (re.compile(r"\..+\.(\d+)\.[0-9a-f]+\.partial"), re.compile(r"tmp-(?:pull-)?(\d+)-[0-9a-f]+"))
 
 
 class StoreError(Exception):
@@ -145,30 +152,128 @@ class Manifest:
         return manifest
 
 
+def temp_path(directory: Path, label: str) -> Path:
+    """A temp file's name in `directory`, unique to this write: `.<label>.<pid>.<random>.partial`.
+
+    The pid lets the next serve start remove what a killed one left (remove_stale_temp_files); the random part
+    keeps two writes of the same thing (two pulls of one blob) from sharing a file."""
+    return directory / f".{label}.{os.getpid()}.{uuid.uuid4().hex[:16]}.partial"
+
+
+class BlobWriter:
+    """One file being written: hashed as it streams into a temp file, renamed into place only if its digest is
+    the expected one. write() runs in worker threads while the event loop reads the next chunk; abort() may come
+    from the event loop at any time (a client gone) and leaves nothing behind."""
+
+    def __init__(self, directory: Path, expected_digest: str | None = None, label: str = "blob") -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.temp = temp_path(directory, label)
+        self.expected = expected_digest
+        self.size = 0
+        self._sha = hashlib.sha256()
+        self._file: BinaryIO | None = open(self.temp, "xb", buffering=0)  # noqa: SIM115 (closed by commit/abort)
+        self._lock = threading.Lock()  # a write in a thread and an abort from the loop never overlap
+
+    def write(self, chunk: bytes | bytearray | memoryview) -> None:
+        with self._lock:
+            if self._file is None:
+                return  # aborted while this chunk waited for a thread
+            self._sha.update(chunk)
+            view = memoryview(chunk)
+            while view:  # an unbuffered write may take part of the chunk (a file size limit reached)
+                written = self._file.write(view)
+                if not written:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                view = view[written:]
+            self.size += len(chunk)
+
+    def commit(self, path_for: Callable[[str], Path], last: bytes | bytearray = b"",
+               replace: bool = False) -> tuple[str, bool]:
+        """Write `last`, check the digest, make the file durable and rename it to `path_for(digest)`:
+        (digest, created). An existing file is kept (a blob: same content) unless `replace` (a manifest).
+        DigestMismatch (nothing left behind) when the digest is not the expected one."""
+        if last:
+            self.write(last)
+        with self._lock:
+            if self._file is None:
+                raise StoreError("the upload was aborted")
+            try:
+                digest = "sha256:" + self._sha.hexdigest()
+                if self.expected is not None and digest != self.expected:
+                    raise DigestMismatch(f'digest mismatch, expected "{self.expected}", got "{digest}"')
+                os.fsync(self._file.fileno())
+                os.chmod(self.temp, 0o644)
+                target = path_for(digest)
+                created = replace or not target.exists()
+                if created:
+                    os.replace(self.temp, target)
+                return digest, created
+            finally:
+                self._close()
+
+    def abort(self) -> None:
+        """Remove the temp file now; a write still running finishes first. Safe after commit."""
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        self.temp.unlink(missing_ok=True)
+
+    def __enter__(self) -> BlobWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.abort()
+
+
 def write_atomically(path: Path, chunks: Iterable[bytes], expected_digest: str | None = None) -> tuple[str, int]:
     """Write into a temp file beside `path`, hash on the way, rename into place only if the digest matches.
 
     Returns ("sha256:<hex>", size). On a mismatch or any error nothing is left behind.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.parent / f".{path.name}.{os.getpid()}.{id(chunks)}.partial"
-    sha, size = hashlib.sha256(), 0
+    with BlobWriter(path.parent, expected_digest, label=path.name) as writer:
+        for chunk in chunks:
+            writer.write(chunk)
+        digest, _ = writer.commit(lambda _: path, replace=True)
+        return digest, writer.size
+
+
+def remove_stale_temp_files(root: Path) -> list[Path]:
+    """Delete the temp files that an interrupted upload, pull or create, or a killed serve, left in `root`'s
+    blobs/ and manifests/ (at serve's start). A file of another live process (a second serve on the same store)
+    is kept; this process has written nothing yet, so its own pid counts as stale (a reused pid in a container)."""
+    removed = []
+    candidates = list((root / "blobs").glob("*")) + list((root / "manifests").rglob("*"))
+    for path in candidates:
+        pid = _temp_file_pid(path.name)
+        if pid is None or (pid != os.getpid() and _process_alive(pid)) or not path.is_file():
+            continue
+        try:
+            path.unlink()
+            removed.append(path)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def _temp_file_pid(name: str) -> int | None:
+    for pattern in _TEMP_RES:
+        if match := pattern.fullmatch(name):
+            return int(match.group(1))
+    return None
+
+
+def _process_alive(pid: int) -> bool:
     try:
-        with open(temp, "wb") as f:
-            for chunk in chunks:
-                sha.update(chunk)
-                size += len(chunk)
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-        digest = "sha256:" + sha.hexdigest()
-        if expected_digest is not None and digest != expected_digest:
-            raise DigestMismatch(f'digest mismatch, expected "{expected_digest}", got "{digest}"')
-        os.chmod(temp, 0o644)
-        os.replace(temp, path)
-        return digest, size
-    finally:
-        temp.unlink(missing_ok=True)
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
 
 
 def read_chunks(source: bytes | BinaryIO | Iterable[bytes]) -> Iterable[bytes]:

@@ -8,10 +8,14 @@ and an uploaded blob whose sha256 differs from its name is refused and leaves no
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import hashlib
 import json
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
@@ -56,6 +60,26 @@ def default_root() -> Path:
 
 
 @dataclass
+class _Guard:
+    """What the threads working on one store share: a lock, the pinned blobs (digest -> how many creates hold
+    it) and one lock per model name."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    pins: Counter[str] = field(default_factory=Counter)
+    names: dict[str, threading.Lock] = field(default_factory=dict)
+
+
+_GUARDS: dict[Path, _Guard] = {}
+_GUARDS_LOCK = threading.Lock()
+
+
+def _guard_for(root: Path) -> _Guard:
+    """One guard per store folder, shared by every Store object on it in this process."""
+    with _GUARDS_LOCK:
+        return _GUARDS.setdefault(root.resolve(), _Guard())
+
+
+@dataclass
 class ResolvedModel:
     """What the scheduler and the API need to run a stored model."""
 
@@ -82,6 +106,8 @@ class Store:
         self.root = Path(root) if root is not None else default_root()
         self.blobs_dir = self.root / "blobs"
         self.manifests_dir = self.root / "manifests"
+        self._guard = _guard_for(self.root)
+        self._local = threading.local()  # .pinned: the digests the create running in this thread holds
 
     # ---- blobs -----------------------------------------------------------------------------------
 
@@ -102,18 +128,19 @@ class Store:
                 return expected, False
         else:
             expected = None
-        self.blobs_dir.mkdir(parents=True, exist_ok=True)
-        temp_name = f"tmp-{os.getpid()}-{id(data)}"
-        temp = self.blobs_dir / temp_name
-        try:
-            actual, _ = layout.write_atomically(temp, layout.read_chunks(data), expected)
-            target = self.blob_path(actual)
-            if target.exists():
-                return actual, False
-            os.replace(temp, target)
-            return actual, True
-        finally:
-            temp.unlink(missing_ok=True)
+        with self.blob_writer(expected) as writer:
+            for chunk in layout.read_chunks(data):
+                writer.write(chunk)
+            return writer.commit(self.blob_path)
+
+    def blob_writer(self, expected_digest: str | None = None) -> layout.BlobWriter:
+        """A blob streamed in piece by piece (an upload): a temp file in blobs/, renamed by commit(self.blob_path)
+        to its digest's name only when the digest is the expected one."""
+        return layout.BlobWriter(self.blobs_dir, expected_digest)
+
+    def remove_temp_files(self) -> list[Path]:
+        """Temp files left by an interrupted upload, pull or create, or a killed serve (serve's start-up)."""
+        return layout.remove_stale_temp_files(self.root)
 
     def add_file(self, path: str | os.PathLike[str]) -> str:
         """Copy a local file into the store as a blob (what the CLI uploads before create); its digest."""
@@ -123,7 +150,12 @@ class Store:
     # ---- manifests -------------------------------------------------------------------------------
 
     def manifest_path(self, name: Name) -> Path:
-        return self.manifests_dir.joinpath(*name.parts())
+        """manifests/<host>/<namespace>/<model>/<tag>; InvalidName (400, no path) for a part longer than a file
+        name can be (Ollama allows a 350-character host; the file system does not)."""
+        parts = name.parts()
+        if any(len(part.encode()) > layout.NAME_MAX for part in parts):
+            raise InvalidName(f'name "{name}" is invalid: a part is longer than {layout.NAME_MAX} characters')
+        return self.manifests_dir.joinpath(*parts)
 
     def read_manifest(self, name: Name) -> Manifest:
         path = self.manifest_path(name)
@@ -294,14 +326,15 @@ class Store:
         if not name.is_valid():
             raise InvalidName(f'name "{model}" is invalid')
         name = self.existing_name(name)
-        try:
-            manifest = self.read_manifest(name)
-        except ModelNotFound:
-            raise ModelNotFound(f"model '{model}' not found") from None
-        assert manifest.path is not None
-        manifest.path.unlink()
-        self._prune_dirs(self.manifests_dir)
-        return self._remove_unused(manifest.all_digests())
+        with self._name_lock(name):
+            try:
+                manifest = self.read_manifest(name)
+            except ModelNotFound:
+                raise ModelNotFound(f"model '{model}' not found") from None
+            assert manifest.path is not None
+            manifest.path.unlink()
+            self._prune_dirs(self.manifests_dir)
+            return self._remove_unused(manifest.all_digests())
 
     def prune(self, keep: Iterable[str] = ()) -> list[str]:
         """Delete blobs no manifest references (Ollama does this at start-up unless OLLAMA_NOPRUNE);
@@ -318,17 +351,54 @@ class Store:
         return self._remove_unused(candidates)
 
     def _remove_unused(self, digests: Iterable[str]) -> list[str]:
-        in_use = {d for m in self.manifests().values() for d in m.all_digests()}
-        removed = []
-        for digest in dict.fromkeys(digests):
-            if digest in in_use:
-                continue
-            try:
-                self.blob_path(digest).unlink()
-                removed.append(digest)
-            except FileNotFoundError:
-                pass
-        return removed
+        """Delete those of `digests` that no manifest references and no create in progress holds (pinned).
+        Under the store's lock, so a create pins its blobs either before (kept) or after (it writes them again)."""
+        with self._guard.lock:
+            in_use = {d for m in self.manifests().values() for d in m.all_digests()} | set(self._guard.pins)
+            removed = []
+            for digest in dict.fromkeys(digests):
+                if digest in in_use:
+                    continue
+                try:
+                    self.blob_path(digest).unlink()
+                    removed.append(digest)
+                except FileNotFoundError:
+                    pass
+            return removed
+
+    @contextlib.contextmanager
+    def _name_lock(self, name: Name) -> Iterator[None]:
+        """Creates and deletes of one name run one at a time: each reads the manifest it replaces and removes
+        that one's unused blobs, which must not be blobs another create of the name is about to reference."""
+        key = str(name).lower()
+        with self._guard.lock:
+            lock = self._guard.names.setdefault(key, threading.Lock())
+        with lock:
+            yield
+
+    @contextlib.contextmanager
+    def _pinning(self) -> Iterator[None]:
+        """Blobs a create will reference are pinned (never removed as unused) until its manifest is written."""
+        self._local.pinned = pinned = []
+        try:
+            yield
+        finally:
+            self._local.pinned = None
+            with self._guard.lock:
+                self._guard.pins.subtract(pinned)
+                for digest in pinned:
+                    if self._guard.pins[digest] <= 0:
+                        self._guard.pins.pop(digest, None)
+
+    def _pin(self, digest: str) -> str:
+        """Pin a blob for the create running in this thread (no-op outside a create); the digest."""
+        digest = check_digest(digest)
+        pinned = getattr(self._local, "pinned", None)
+        if pinned is not None:
+            with self._guard.lock:
+                self._guard.pins[digest] += 1
+            pinned.append(digest)
+        return digest
 
     def _prune_dirs(self, path: Path) -> None:
         for child in path.iterdir() if path.is_dir() else ():
@@ -356,6 +426,18 @@ class Store:
         if not name.is_valid():
             raise InvalidName("invalid model name")
         name = self.existing_name(name)
+        self.manifest_path(name)  # a name that cannot be a path is refused before any work
+        with self._name_lock(name), self._pinning():
+            for digest in {**(files or {}), **(adapters or {})}.values():
+                self._pin(digest)
+            self._create(name, files, adapters, from_, template, system, license, parameters, messages, report)
+        return name
+
+    def _create(self, name: Name, files: Mapping[str, str] | None, adapters: Mapping[str, str] | None,
+                from_: str | None, template: str | None, system: str | None, license: str | Sequence[str] | None,
+                parameters: Mapping[str, Any] | None, messages: Sequence[Mapping[str, Any]] | None,
+                report: Progress) -> None:
+        """create's work, under the name's lock with its blobs pinned."""
         old = self._maybe_manifest(name)
 
         config: dict[str, Any] = {"families": []}
@@ -392,7 +474,6 @@ class Store:
         self.write_manifest(name, config_layer, layers)
         if old is not None and not os.environ.get("OLLAMA_NOPRUNE"):
             self._remove_unused(old.all_digests())
-        return name
 
     def create_from_modelfile(self, model: str, modelfile: Modelfile, relative_dir: str | os.PathLike[str] = ".",
                               progress: Progress | None = None) -> Name:
@@ -415,7 +496,7 @@ class Store:
             return None
 
     def _new_layer(self, data: bytes, media_type: str) -> Layer:
-        digest, created = self.write_blob(data)
+        digest, created = self.write_blob(data, self._pin("sha256:" + hashlib.sha256(data).hexdigest()))
         os.utime(self.blob_path(digest))
         layer = Layer(media_type, digest, len(data))
         layer.status = f"{'creating new' if created else 'using existing'} layer {digest}"
@@ -460,7 +541,7 @@ class Store:
         manifest = self.read_manifest(src)
         layers = []
         for old in manifest.layers:
-            path = self.blob_path(old.digest)
+            path = self.blob_path(self._pin(old.digest))
             if not path.is_file():
                 raise StoreError(f"stat {path}: no such file or directory")
             layer = Layer(old.media_type, old.digest, path.stat().st_size, src.display_shortest(), old.name)
