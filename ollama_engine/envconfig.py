@@ -133,6 +133,15 @@ def rpc_servers(env: Mapping[str, str] | None = None) -> list[str]:
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
+def exact_cache(env: Mapping[str, str] | None = None) -> bool:
+    """OLLAMA_ENGINE_EXACT_CACHE (ours; default on): a prompt-cache hit gives a cold run's result bitwise.
+
+    The runner then reuses only cached inputs computed as a cold run computes them (README, "Numerics");
+    off, it reuses the longest cached prefix as Ollama does, and a hit may round differently.
+    """
+    return _bool(os.environ if env is None else env, "OLLAMA_ENGINE_EXACT_CACHE") is not False
+
+
 @dataclass
 class EnvConfig:
     """Every setting serve and the scheduler read from the environment."""

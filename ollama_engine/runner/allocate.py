@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ollama_engine import envconfig
 from ollama_engine.kvcache import Batch, ShiftError, cache_dtype
 from ollama_engine.ml import BackendMemory, Context, GPULayers, gpu_devices
 from ollama_engine.ml.memory import FlashAttention
@@ -83,7 +84,7 @@ def open_model(path: str, params: LoadParams, allocate: bool) -> LoadedModel:
             parallel, batch_size = 1, max(batch_size, params.kv_size)
         input_cache = InputCache(
             model.cache, params.kv_size, parallel, batch_size,
-            multi_user=params.multi_user_cache, remove_errors=ShiftError,
+            multi_user=params.multi_user_cache, remove_errors=ShiftError, exact=envconfig.exact_cache(),
         )
         if model.cache is not None:
             model.cache.init(model.backend, cache_dtype(params.kv_cache_type), parallel, input_cache.num_ctx,

@@ -6,6 +6,9 @@ longest prefix with it, so only the rest of the prompt has to be evaluated. When
 removed or shifted here, the slot's record is trimmed the same way: if the two ever disagree, the
 model silently attends to the wrong history, so that is the first thing to check when prompt
 caching misbehaves (DEBUG logging of this module shows every load, fork, eviction and shift).
+
+Exact reuse (the default, OLLAMA_ENGINE_EXACT_CACHE): a prompt reuses only cached inputs computed as a
+cold run computes them, so that a cache hit answers bitwise as a cold run does (see runner/exact.py).
 """
 
 import logging
@@ -15,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from ollama_engine.runner.exact import resume_point, row_kernels
 from ollama_engine.runner.inputs import Input
 
 log = logging.getLogger(__name__)
@@ -49,6 +53,8 @@ class InputCacheSlot:
     in_use: bool = False
     last_used: float = 0.0
     """time.monotonic() when a prompt last loaded this slot; 0.0 if never."""
+    kernels: bytearray = field(default_factory=bytearray)
+    """The kernel class that computed each input (runner/exact.py), as far as recorded."""
 
 
 class ReprocessInputsError(Exception):
@@ -91,6 +97,7 @@ class InputCache:
         *,
         multi_user: bool,
         remove_errors: type[Exception] | tuple[type[Exception], ...],
+        exact: bool = False,
     ) -> None:
         if num_slots < 1:
             raise ValueError(f"parallel must be at least 1 (parallel: {num_slots})")
@@ -104,6 +111,9 @@ class InputCache:
         """Context length of each slot."""
         self.slots = [InputCacheSlot(id=i) for i in range(num_slots)]
         self.multi_user = multi_user
+        self.exact = exact
+        """Reuse only what a cold run would compute alike (OLLAMA_ENGINE_EXACT_CACHE)."""
+        self.batch_size = batch_size
         self.kv_cache = kv_cache
         self._remove_errors = remove_errors
 
@@ -125,6 +135,8 @@ class InputCache:
         if num_past == len(prompt):
             # Evaluate the last input again: its output gives the logits for the first new token.
             num_past -= 1
+        if self.exact:
+            num_past = resume_point(slot.kernels, num_past, len(prompt), self.batch_size)
 
         if self.kv_cache is not None:
             if num_past > 0 and not self.kv_cache.can_resume(slot.id, num_past):
@@ -141,9 +153,21 @@ class InputCache:
             slot.id, len(slot.inputs), len(prompt), num_past, len(prompt) - num_past,
         )
         slot.inputs = prompt[:num_past]
+        del slot.kernels[num_past:]
         slot.in_use = True
         slot.last_used = time.monotonic()
         return slot, prompt[num_past:]
+
+    def chunk_limit(self, position: int) -> int:
+        """How many prompt inputs from `position` one batch takes: exact reuse cuts at multiples of
+        batch_size, as a cold run does."""
+        return self.batch_size - position % self.batch_size if self.exact else self.batch_size
+
+    def record_rows(self, slot: InputCacheSlot, begin: int, rows: Sequence[int], batch_rows: int) -> None:
+        """The inputs from position `begin` on were computed in rows `rows` of a batch of `batch_rows`."""
+        del slot.kernels[begin:]
+        slot.kernels.extend(bytes(begin - len(slot.kernels)))  # positions never recorded: unknown
+        slot.kernels.extend(row_kernels(rows, batch_rows, len(rows)))
 
     def find_longest_slot(self, prompt: Sequence[Input]) -> tuple[InputCacheSlot, int]:
         """The free slot sharing the longest prefix with prompt (the first one on ties), and that length.
@@ -188,6 +212,7 @@ class InputCache:
                 longest_slot.id, oldest.id, longest, len(longest_slot.inputs),
             )
             oldest.inputs = longest_slot.inputs[:longest]
+            oldest.kernels = longest_slot.kernels[:longest]
             if self.kv_cache is not None:
                 self.kv_cache.copy_prefix(longest_slot.id, oldest.id, longest)
         return oldest, longest
@@ -229,12 +254,13 @@ class InputCache:
             slot.id, self.num_ctx, len(slot.inputs), num_keep, discard,
         )
         kept = slot.inputs[:num_keep] + slot.inputs[num_keep + discard :]
+        del slot.kernels[num_keep:]  # the moved keys were rotated again: no cold run has them
         if self.kv_cache is not None:
             try:
                 self.kv_cache.remove(slot.id, num_keep, num_keep + discard)
             except self._remove_errors as err:
                 log.debug("kv cache shift failed, clearing slot %d for reprocessing: %s", slot.id, err)
                 self.kv_cache.remove(slot.id, 0, TO_END)
-                slot.inputs = []
+                slot.inputs, slot.kernels = [], bytearray()
                 raise ReprocessInputsError(kept) from err
         slot.inputs = kept

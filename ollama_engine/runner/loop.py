@@ -178,10 +178,11 @@ class Runner:
                         resume = index  # its whole chunk goes first next time
                     continue
                 limit = self.batch_size
+                cap = self.cache.chunk_limit(len(slot.inputs) + len(seq.pending_inputs))
                 for i, inp in enumerate(seq.inputs):
                     needed = 1 + inp.same_batch
                     limit = max(limit, needed)  # a group larger than a batch gets a batch of its own
-                    if len(state.inputs) + needed > limit:
+                    if len(state.inputs) + needed > limit or (i + needed > cap and i > 0):
                         if not seq.pending_inputs and resume is None:
                             resume = index  # start there next time, so it does not starve
                         break
@@ -226,10 +227,12 @@ class Runner:
         when it runs alone, and ggml's results depend (slightly) on the shapes.
         """
         taken, limit = 0, self.batch_size
+        assert seq.slot is not None
+        cap = self.cache.chunk_limit(len(seq.slot.inputs) + len(seq.pending_inputs))
         for inp in seq.inputs:
             needed = 1 + inp.same_batch
             limit = max(limit, needed)
-            if taken + needed > limit:
+            if taken + needed > limit or (taken + needed > cap and taken > 0):
                 break
             taken += 1
         return taken
@@ -270,6 +273,9 @@ class Runner:
                 if seq is None or seq is not state.seqs[index]:
                     continue
                 assert seq.slot is not None
+                if self.cache.exact and seq.pending_inputs:
+                    rows = np.flatnonzero(state.batch.sequences == seq.slot.id)
+                    self.cache.record_rows(seq.slot, len(seq.slot.inputs), rows.tolist(), len(state.batch))
                 seq.slot.inputs.extend(seq.pending_inputs)
                 seq.pending_inputs = []
                 if seq.inputs:  # still evaluating the prompt
