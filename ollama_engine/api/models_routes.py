@@ -62,25 +62,28 @@ async def in_thread_with_progress(work: Callable[[Callable[[dict[str, Any]], Non
 
 
 async def receive_blob(content: StreamReader, store: Store, expected: str) -> bool:
-    """Write an upload into the store as it arrives: the event loop reads the next MiB while a worker thread
-    hashes and writes the previous one (memory: two buffers). True if the blob was created, False if it was
-    already there. The temp file is removed on any failure, a client that goes away included (the handler is
-    cancelled); a write that fails (a full disk) reads the rest of the body away so that the client gets the
-    error rather than a broken pipe."""
+    """Write an upload into the store as it arrives: the event loop gathers the next MiB of the body (as the
+    pieces it received, not copied) while a worker thread hashes and writes the previous one (memory: about two
+    MiB). True if the blob was created, False if it was already there. The temp file is removed on any failure, a
+    client that goes away included (the handler is cancelled); a write that fails (a full disk) reads the rest of
+    the body away so that the client gets the error rather than a broken pipe."""
     loop = asyncio.get_running_loop()
     writer = store.blob_writer(expected)
     pending: asyncio.Future[None] | None = None
-    buffer = bytearray()
+    batch: list[bytes] = []
+    size = 0
     try:
         async for data in content.iter_any():
-            buffer += data
-            if len(buffer) >= UPLOAD_CHUNK:
+            batch.append(data)
+            size += len(data)
+            if size >= UPLOAD_CHUNK:
                 if pending is not None:
                     await pending
-                pending, buffer = loop.run_in_executor(None, writer.write, buffer), bytearray()
+                pending, batch, size = loop.run_in_executor(None, writer.write_all, batch), [], 0
         if pending is not None:
             await pending
-        _, created = await loop.run_in_executor(None, writer.commit, store.blob_path, buffer)
+        await loop.run_in_executor(None, writer.write_all, batch)
+        _, created = await loop.run_in_executor(None, writer.commit, store.blob_path)
         return created
     except ConnectionError:  # the client went away (not the disk)
         raise

@@ -31,6 +31,7 @@ SCHEDULER = web.AppKey("scheduler", Scheduler)
 CONFIG = web.AppKey("config", EnvConfig)
 # The body limit of the JSON routes (request.read()/json()); POST /api/blobs streams (request.content), unlimited.
 MAX_BODY = 1 << 30
+READ_BUFFER = 1 << 20  # bytes of a request body buffered per connection: fewer, larger reads of an upload
 SHUTDOWN_TIMEOUT = 5.0  # seconds for in-flight handlers once the runners are gone
 
 
@@ -44,7 +45,7 @@ def create_app(config: EnvConfig | None = None, scheduler: Scheduler | None = No
         return catalog.resolve(name).model
 
     middlewares = [cors_middleware(allowed_origins(config.origins)), host_middleware(config.host), error_middleware]
-    app = web.Application(client_max_size=MAX_BODY, middlewares=middlewares)
+    app = web.Application(client_max_size=MAX_BODY, middlewares=middlewares, handler_args={"read_bufsize": READ_BUFFER})
     app.on_response_prepare.append(remember_started)
     app[SCHEDULER] = scheduler
     app[CONFIG] = config

@@ -187,13 +187,14 @@ class BlobWriter:
                 view = view[written:]
             self.size += len(chunk)
 
-    def commit(self, path_for: Callable[[str], Path], last: bytes | bytearray = b"",
-               replace: bool = False) -> tuple[str, bool]:
-        """Write `last`, check the digest, make the file durable and rename it to `path_for(digest)`:
-        (digest, created). An existing file is kept (a blob: same content) unless `replace` (a manifest).
-        DigestMismatch (nothing left behind) when the digest is not the expected one."""
-        if last:
-            self.write(last)
+    def write_all(self, chunks: Iterable[bytes]) -> None:
+        for chunk in chunks:
+            self.write(chunk)
+
+    def commit(self, path_for: Callable[[str], Path], replace: bool = False) -> tuple[str, bool]:
+        """Check the digest, make the file durable and rename it to `path_for(digest)`: (digest, created). An
+        existing file is kept (a blob: same content) unless `replace` (a manifest). DigestMismatch (nothing left
+        behind) when the digest is not the expected one."""
         with self._lock:
             if self._file is None:
                 raise StoreError("the upload was aborted")
