@@ -45,7 +45,7 @@ AVX2_FLAGS = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FM
               "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX_VNNI=OFF"]
 TAIL_LINES = 60  # of a failed step's log
 # progress in a log: make's "[ 45%] Building ..." or ninja's "[12/150] Building ..."
-PROGRESS = re.compile(rb"^\s*\[\s*(\d+)%\]|^\[(\d+)/(\d+)\]", re.M)
+PROGRESS = re.compile(rb"^\s*\[\s*(\d+)%\]|^\s*\[(\d+)/(\d+)\]", re.M)
 
 
 def say(message: str) -> None:

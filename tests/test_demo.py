@@ -24,3 +24,87 @@ def test_demo_on_a_synthetic_model():
     # the memory table: every kind of memory the runner reported, and the total
     for row in ("model weights", "kv cache", "compute graph", "total memory"):
         assert re.search(rf"^  {row}\b.*\d+(\.\d)? (B|KiB|MiB|GiB)$", text, re.M), row
+
+
+# ---------------------------------------------------------------- dev.py's set-up steps
+
+
+def load_dev():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(root))  # dev.py imports build_ggml from beside it
+    try:
+        spec = importlib.util.spec_from_file_location("dev_under_test", root / "dev.py")
+        dev = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(dev)
+    finally:
+        sys.path.remove(str(root))
+    return dev
+
+
+def python_step(dev, title, code, log, **kwargs):
+    import sys
+
+    return dev.Step(title, title.split()[0], [[sys.executable, "-c", code]], log, **kwargs)
+
+
+def test_dev_steps_one_line_each_whole_output_in_logs(tmp_path, capsys):
+    dev = load_dev()
+    first = python_step(dev, "first step", "print('[ 50%] half'); print('[100%] all')", tmp_path / "a.log")
+    second = dev.Step("second step", "second", [["sh", "-c", "echo one"], ["sh", "-c", "echo two"]],
+                      tmp_path / "b.log", after=[first])
+    quiet = python_step(dev, "quiet step", "print('[build_ggml] up to date')", tmp_path / "c.log",
+                        quiet_if=b"[build_ggml] up to date")
+    dev.run_steps([second, first, quiet])
+    err = capsys.readouterr().err.splitlines()
+    assert sorted(re.sub(r"\d+ s$", "N s", line) for line in err) == [
+        "[dev] first step ... done in N s", "[dev] second step ... done in N s"]
+    assert first.started < first.ended <= second.started  # second came after first
+    assert first.progress() == "100%"
+    assert (tmp_path / "a.log").read_text().endswith("[ 50%] half\n[100%] all\n")
+    log = (tmp_path / "b.log").read_text()  # both commands' output, each after its command line
+    assert re.fullmatch(r"\$ sh -c 'echo one'\none\n\$ sh -c 'echo two'\ntwo\n", log)
+
+
+def test_dev_failed_step_shows_its_log_tail_and_path_and_stops_the_others(tmp_path, capsys):
+    import time
+
+    import pytest
+
+    dev = load_dev()
+    slow = python_step(dev, "slow step", "import time; time.sleep(60)", tmp_path / "slow.log")
+    never = python_step(dev, "never step", "print('ran')", tmp_path / "never.log", after=[slow])
+    code = "import sys\nfor i in range(100): print('line', i)\nsys.exit(3)"
+    failing = python_step(dev, "failing step", code, tmp_path / "fail.log")
+    started = time.monotonic()
+    with pytest.raises(SystemExit) as exit_:
+        dev.run_steps([slow, never, failing])
+    assert exit_.value.code == 3
+    assert time.monotonic() - started < 30  # the slow step was stopped
+    assert slow.proc.poll() is not None and never.proc is None
+    err = capsys.readouterr().err
+    assert re.search(r"^\[dev\] failing step \.\.\. failed \(exit code 3\) after \d+ s; the last 60 lines of its log:$",
+                     err, re.M)
+    assert "line 40\n" in err and "line 99\n" in err and "line 39\n" not in err  # the tail, in full
+    assert f"[dev] the whole log: {tmp_path / 'fail.log'}" in err
+
+
+def test_dev_reads_requirements_from_pyproject():
+    dev = load_dev()
+    assert dev.requirement("cffi") == ["cffi>=1.16"]
+    test_extra = dev.requirement("", "test")
+    assert "llama-cpp-python==0.3.36" in test_extra and any(spec.startswith("pytest") for spec in test_extra)
+
+
+def test_dev_progress_from_make_and_ninja_lines(tmp_path):
+    dev = load_dev()
+    log = tmp_path / "x.log"
+    step = dev.Step("x", "x", [["true"]], log)
+    log.write_bytes(b"[ 10%] Building C object a.o\n")
+    assert step.progress() == "10%"
+    with log.open("ab") as f:  # pip -v indents the build's output; a line not yet ended is not read
+        f.write(b"  [3/4] /usr/bin/g++ -c b.cpp\n[4/")
+    assert step.progress() == "75%"
