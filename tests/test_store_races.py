@@ -206,12 +206,17 @@ def test_two_concurrent_pulls_of_one_model_both_succeed(ggufs: tuple[Path, Path]
     blob = ggufs[0].read_bytes()
     models = tmp_path / "models"
 
+    registry = Registry(blob)
+
     async def body() -> None:
-        async with Registry(blob).running() as host, serving(models) as (session, url):
+        async with registry.running() as host, serving(models) as (session, url):
             name = f"{host}/library/pulled:latest"
             first, second = await asyncio.gather(pull_lines(session, url, name), pull_lines(session, url, name))
             for status, _, lines in (first, second):
                 assert status == 200 and lines[-1] == {"status": "success"}, lines[-3:]
+                assert {"status": f"pulling {digest_of(blob)[7:19]}", "digest": digest_of(blob), "total": len(blob),
+                        "completed": len(blob)} in lines
+            assert registry.blob_requests == 1  # one download, shared (as Ollama's pulls share one per digest)
             async with session.post(url + "/api/show", json={"model": name}) as response:
                 assert response.status == 200
 
@@ -220,6 +225,29 @@ def test_two_concurrent_pulls_of_one_model_both_succeed(ggufs: tuple[Path, Path]
     assert_consistent(store)
     assert sorted(p.name for p in store.blobs_dir.iterdir()) == sorted(
         d.replace(":", "-") for d in store.manifests()[next(iter(store.manifests()))].all_digests())
+
+
+def test_a_pull_whose_client_leaves_does_not_stop_the_shared_download(ggufs: tuple[Path, Path],
+                                                                      tmp_path: Path) -> None:
+    blob = ggufs[0].read_bytes()
+    registry = Registry(blob)
+
+    async def leave_mid_download(session: aiohttp.ClientSession, url: str, model: str) -> None:
+        async with session.post(url + "/api/pull", json={"model": model, "insecure": True}) as response:
+            async for line in response.content:
+                if json.loads(line).get("completed"):
+                    return  # hang up while the blob downloads
+
+    async def body() -> None:
+        async with registry.running() as host, serving(tmp_path / "models") as (session, url):
+            name = f"{host}/library/pulled:latest"
+            _, (status, _, lines) = await asyncio.gather(leave_mid_download(session, url, name),
+                                                         pull_lines(session, url, name))
+            assert status == 200 and lines[-1] == {"status": "success"}, lines[-3:]
+            assert registry.blob_requests == 1
+
+    run(body())
+    assert_consistent(Store(tmp_path / "models"))
 
 
 def test_an_error_after_a_pull_started_is_one_error_line(tmp_path: Path) -> None:
