@@ -195,7 +195,10 @@ def test_completion_request_options():
 
 
 @pytest.mark.parametrize("body", [b"nope", b'{"Prompt": 1}', b'{"Options": []}', b'{"Options": {"stop": "x"}}',
-                                  b'{"Options": {"temperature": "hot"}}', b'{"TopLogprobs": 21}'])
+                                  b'{"Options": {"temperature": "hot"}}', b'{"TopLogprobs": 21}',
+                                  b'{"Options": {"temperature": 1' + b'0' * 400 + b'}}',  # beyond float64 (issue 38)
+                                  b'{"Options": {"top_p": 1' + b'0' * 400 + b'}}',
+                                  b'{"Options": {"min_p": 1' + b'0' * 400 + b'}}'])
 def test_completion_request_rejects(body):
     with pytest.raises(WireError):
         CompletionRequest.from_json(body)

@@ -23,7 +23,13 @@ RANDOM_SEED = -1
 def _number(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {value!r}")
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an integer literal beyond float64 (10^400)
+        raise TypeError(f"{name} is out of range") from None
+    if number != number:
+        raise TypeError(f"{name} must be a number, got NaN")
+    return number
 
 
 def _integer(name: str, value: Any) -> int:
