@@ -84,9 +84,9 @@ def compare_schedule(path: Path, *, flash: bool, cache_type: str, sequences: int
     one batch, then `steps` batches decoding one token for each. Every logprob within `tolerance` and
     identical greedy tokens; returns the largest logprob difference seen.
 
-    Prompts of different lengths make llama.cpp split the batch (one equal share per sequence, then the
-    rest in a second graph); prompts of one length keep its batches ours, for models whose rounding the
-    split changes visibly."""
+    Prompts of different lengths would make llama.cpp split the batch (one equal share per sequence, then
+    the rest in a second graph), and ggml's kernels round a row differently in batches of other sizes on
+    some CPUs: so both engines are fed llama.cpp's split (`equal_shares`), batch for batch."""
     model = load_model(path, num_threads=threads, flash_attention=flash)
     model.backend.load()
     model.cache.init(model.backend, cache_dtype(cache_type), sequences, 512, 64)
@@ -95,22 +95,42 @@ def compare_schedule(path: Path, *, flash: bool, cache_type: str, sequences: int
     worst = 0.0
     try:
         texts = [model.tokenizer.encode(prompt, add_special=True) for prompt in prompts[:sequences]]
-        ends = np.cumsum([len(t) for t in texts]) - 1
-        batch = Batch(positions=[p for t in texts for p in range(len(t))],
-                      sequences=[s for s, t in enumerate(texts) for _ in t], outputs=ends,
-                      tokens=[token for t in texts for token in t])
         for step in range(steps + 1):
-            ours = model.graphs.compute(batch)
-            theirs = reference.decode(batch.tokens, batch.positions, batch.sequences, batch.outputs)
+            ours, theirs = [None] * sequences, [None] * sequences
+            for batch in equal_shares(texts) if step == 0 else [decode_batch(texts)]:
+                last = [int(s) for s in batch.sequences[batch.outputs]]
+                for seq, mine, other in zip(last, model.graphs.compute(batch), reference.decode(
+                        batch.tokens, batch.positions, batch.sequences, batch.outputs), strict=True):
+                    ours[seq], theirs[seq] = mine, other
+            ours, theirs = np.stack(ours), np.stack(theirs)
             difference = float(np.abs(log_softmax(ours) - log_softmax(theirs)).max())
             worst = max(worst, difference)
             assert difference < tolerance, f"step {step}: logprobs differ by {difference}"
             assert (ours.argmax(axis=1) == theirs.argmax(axis=1)).all(), f"step {step}: greedy tokens differ"
             for text, row in zip(texts, ours, strict=True):
                 text.append(int(row.argmax()))
-            batch = Batch(positions=[len(t) - 1 for t in texts], sequences=range(sequences),
-                          outputs=range(sequences), tokens=[t[-1] for t in texts])
     finally:
         reference.close()
         model.close()
     return worst
+
+
+def decode_batch(texts: Sequence[list[int]]) -> Batch:
+    """One decode step: the last token of every sequence."""
+    return Batch(positions=[len(t) - 1 for t in texts], sequences=range(len(texts)), outputs=range(len(texts)),
+                 tokens=[t[-1] for t in texts])
+
+
+def equal_shares(texts: Sequence[list[int]]) -> list[Batch]:
+    """The prompts in the batches llama.cpp's split_equal cuts them into (one KV stream per sequence): each
+    batch takes an equal share of every sequence that has tokens left, its last one asking for logits."""
+    batches, done = [], 0
+    while any(len(t) > done for t in texts):
+        active = [s for s, t in enumerate(texts) if len(t) > done]
+        share = min(len(texts[s]) for s in active) - done
+        rows = [(s, p) for s in active for p in range(done, done + share)]
+        ends = [i for i, (s, p) in enumerate(rows) if p == len(texts[s]) - 1]
+        batches.append(Batch(positions=[p for _, p in rows], sequences=[s for s, _ in rows], outputs=ends,
+                             tokens=[texts[s][p] for s, p in rows]))
+        done += share
+    return batches
