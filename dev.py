@@ -149,12 +149,14 @@ def run_steps(steps: Sequence[Step | None], report_every: float = 60.0) -> None:
     """Run the steps, each as soon as those it comes after have succeeded; one line per step.
 
     On a terminal a status line shows what is running (with its progress); elsewhere (CI logs) a line
-    every `report_every` seconds does. A failed step stops the others and shows its log's last lines.
+    after `report_every` seconds, then after twice as long each time (1, 2, 4, 8 minutes...). A failed step
+    stops the others and shows its log's last lines.
     """
     pending = [step for step in steps if step is not None]
     running: list[Step] = []
     tty = sys.stderr.isatty()
-    began = last_report = time.monotonic()
+    began = time.monotonic()
+    next_report = began + report_every
     status_shown = False
 
     def clear_status() -> None:
@@ -191,8 +193,8 @@ def run_steps(steps: Sequence[Step | None], report_every: float = 60.0) -> None:
                 width = shutil.get_terminal_size().columns - 1
                 print(f"\r\033[K{line[:width]}", end="", file=sys.stderr, flush=True)
                 status_shown = True
-            elif running and now - last_report >= report_every:
-                last_report = now
+            elif running and now >= next_report:
+                next_report = began + 2 * (now - began)
                 parts = [" ".join(filter(None, (step.short, step.progress()))) for step in running]
                 say(f"still running after {seconds(now - began)}: {', '.join(parts)}")
             time.sleep(0.2)
