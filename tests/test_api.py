@@ -95,7 +95,7 @@ def test_greedy_chat_equals_llama_cpp_chat_completion(client: ollama.Client, smo
     n = 24
     threads = default_threads()  # what the runner computes with
     llm = llama_cpp.Llama(model_path=str(smollm2_path), n_ctx=2048, n_threads=threads, n_threads_batch=threads,
-                          verbose=False)
+                          flash_attn=True, verbose=False)  # serve's default on the CPU
     expected = llm.create_chat_completion(messages=messages, temperature=0.0, max_tokens=n)
     ours = client.chat(model=smollm2, messages=messages, options={"num_predict": n, "temperature": 0})
     assert ours.message.content == expected["choices"][0]["message"]["content"]
