@@ -186,11 +186,12 @@ def test_the_create_command_streams_the_file_with_progress(tmp_path: Path) -> No
     try:
         with serve(models) as (url, _):
             env = {**os.environ, "OLLAMA_HOST": url.removeprefix("http://")}
-            process = subprocess.Popen([sys.executable, "-m", "ollama_engine", "create", "big", "-f",
-                                        str(tmp_path / "Modelfile")], env=env, stdout=subprocess.PIPE,
-                                       stderr=subprocess.PIPE, text=True)
-            _, _, usage = os.wait4(process.pid, 0)
-            stderr = process.stderr.read() if process.stderr else ""
+            log = tmp_path / "create.log"  # a file, not a pipe: progress lines cannot fill it and block the client
+            with log.open("w") as sink:
+                process = subprocess.Popen([sys.executable, "-m", "ollama_engine", "create", "big", "-f",
+                                            str(tmp_path / "Modelfile")], env=env, stdout=sink, stderr=sink)
+                _, _, usage = os.wait4(process.pid, 0)
+            stderr = log.read_text()
             digest = "sha256:" + hashlib.sha256(source.read_bytes()).hexdigest()
             assert f"copying file {digest} 100%" in stderr, stderr
             assert Store(models).blob_path(digest).stat().st_size == size
