@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from ollama_engine.llm.runner_handle import watch_parent
+from ollama_engine.server.parent import watch_parent
 
 from .app import serve
 

@@ -23,7 +23,7 @@ import pytest
 from serve_process import free_port, pid_alive
 
 from ollama_engine.fs.synthetic import write_synthetic
-from ollama_engine.llm.runner_handle import PARENT_DEATH_SIGNAL_ENV, PARENT_PID_ENV
+from ollama_engine.server.parent import PARENT_DEATH_SIGNAL_ENV, PARENT_PID_ENV
 
 EXIT_WITHIN = 5.0  # seconds
 
@@ -98,7 +98,7 @@ def test_runners_exit_when_serve_is_killed(tmp_path: Path) -> None:
 
 WATCHER = """
 import os, sys, time
-from ollama_engine.llm.runner_handle import watch_parent
+from ollama_engine.server.parent import watch_parent
 watch_parent(interval=0.1)
 print(os.getpid(), flush=True)
 time.sleep(60)
@@ -134,7 +134,7 @@ def test_the_parent_watch_without_the_death_signal() -> None:
 
 def test_a_runner_started_by_hand_watches_nothing() -> None:
     """Without the parent's pid in its environment (`ollama-engine runner` typed in a shell) nothing is watched."""
-    code = "from ollama_engine.llm.runner_handle import watch_parent; import threading; watch_parent(); " \
+    code = "from ollama_engine.server.parent import watch_parent; import threading; watch_parent(); " \
            "print(sorted(t.name for t in threading.enumerate()))"
     env = {k: v for k, v in os.environ.items() if k != PARENT_PID_ENV}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout

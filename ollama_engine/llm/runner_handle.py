@@ -7,12 +7,10 @@ explained with the runner's own words rather than an exit code.
 
 from __future__ import annotations
 
-import ctypes
 import http.client
 import json
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -22,6 +20,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from ollama_engine.ml.memory import BackendMemory, DeviceInfo
+from ollama_engine.server.parent import PARENT_DEATH_SIGNAL_ENV, PARENT_PID_ENV
 from ollama_engine.server.wire import ServerStatus
 
 log = logging.getLogger(__name__)
@@ -32,10 +31,6 @@ ERROR_PREFIXES = (
     "error loading model", "llama_init_from_model:", "mlx:", "MLX:",
 )
 MAX_ERROR_BYTES = 8 * 1024
-PARENT_PID_ENV = "OLLAMA_ENGINE_PARENT_PID"  # set for the runner: the serve it must not outlive
-PARENT_DEATH_SIGNAL_ENV = "OLLAMA_ENGINE_PARENT_DEATH_SIGNAL"
-PARENT_POLL_INTERVAL = 0.5  # seconds between the runner's looks at its parent pid
-PR_SET_PDEATHSIG = 1
 LOAD_FAILED = (
     "model failed to load, this may be due to resource limitations or an internal error, check ollama server "
     "logs for details"
@@ -95,44 +90,6 @@ def parent_env() -> dict[str, str]:
     when the spawning thread ends (only the main thread's end is this process's end)."""
     main = threading.current_thread() is threading.main_thread()
     return {PARENT_PID_ENV: str(os.getpid()), PARENT_DEATH_SIGNAL_ENV: "1" if main else "0"}
-
-
-def watch_parent(interval: float = PARENT_POLL_INTERVAL) -> None:
-    """In the runner: exit when the serve that started it dies, SIGKILL included, so that no runner holding
-    gigabytes outlives its serve. Linux's parent-death signal (prctl PR_SET_PDEATHSIG, SIGTERM) acts at once;
-    a thread watching os.getppid() (re-parented to init or a subreaper) is the fallback everywhere, and covers
-    a parent that died before the prctl. Without PARENT_PID_ENV (a runner started by hand) nothing is watched."""
-    expected = os.environ.get(PARENT_PID_ENV, "")
-    if not expected.isdigit():
-        return
-    parent = int(expected)
-    if os.environ.get(PARENT_DEATH_SIGNAL_ENV) == "1":
-        _set_parent_death_signal(signal.SIGTERM)
-    if os.getppid() != parent:
-        _exit_orphaned(parent)
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(interval)
-        _exit_orphaned(parent)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
-def _set_parent_death_signal(signum: int) -> bool:
-    """prctl(PR_SET_PDEATHSIG, signum) through libc; False where there is no such call (not Linux)."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-def _exit_orphaned(parent: int) -> None:
-    print(f"runner: parent process {parent} is gone, exiting", file=sys.stderr, flush=True)
-    os._exit(1)  # nothing to flush: the runner's state dies with it
 
 
 class RunnerHandle:
