@@ -66,7 +66,7 @@ def generate(
     n < 0 generates until end of generation or a full context. Temperature above 0 samples with
     Ollama's default top-k 40 and top-p 0.9, reproducibly for a given seed (-1: a random one).
     """
-    model = load_model(model_path, num_threads=num_threads, flash_attention=True)  # serve's default on the CPU
+    model = load_model(model_path, num_threads=num_threads)
     try:
         return _generate(model, prompt, n, Sampler(temperature=temperature, seed=seed), out)
     finally:
