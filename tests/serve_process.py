@@ -29,6 +29,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until_serving(url: str, process: subprocess.Popen, log: Path, timeout: float = 60) -> None:
+    """Until serve at `url` answers; RuntimeError with its log if it exits or does not answer in time."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=2).close()
+            return
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"serve did not start: {log.read_text()}") from None
+            time.sleep(0.2)
+
+
 @contextlib.contextmanager
 def serve_process(models: Path, **env: str) -> Iterator[str]:
     """Start serve on a free port with OLLAMA_MODELS=models (model names may also be GGUF paths); yield its
@@ -41,17 +54,7 @@ def serve_process(models: Path, **env: str) -> Iterator[str]:
                                stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(url, timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    log_text = (models.parent / f'serve-{port}.log').read_text()
-                    raise RuntimeError(f"serve did not start: {log_text}") from None
-                time.sleep(0.2)
+        wait_until_serving(url, process, models.parent / f"serve-{port}.log")
         yield url
     finally:
         process.send_signal(signal.SIGTERM)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import ollama
 import pytest
-from serve_process import free_port
+from serve_process import free_port, wait_until_serving
 
 from ollama_engine.store import Store
 from ollama_engine.store.layout import DIGEST_RE
@@ -45,14 +45,7 @@ def serve(models: Path) -> Iterator[tuple[str, subprocess.Popen]]:
                                    stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(url, timeout=2).close()
-                break
-            except OSError:
-                assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()
-                time.sleep(0.2)
+        wait_until_serving(url, process, log_path)
         yield url, process
     finally:
         process.terminate()

@@ -72,20 +72,14 @@ def test_the_same_prompt_twice(server: str, model: str):
     assert_same(hit, cold)
 
 
-def test_a_prompt_extending_a_cached_one(server: str, model: str):
+@pytest.mark.parametrize("prompt", [EXTENSION, OTHER_ENDING], ids=["extending", "sharing-a-prefix"])
+def test_a_prompt_after_a_cached_one(server: str, model: str, prompt: str):
+    """A prompt extending the cached one, or sharing only a prefix with it."""
     unload(server, model)
-    cold = generate(server, model, EXTENSION)
-    unload(server, model)
-    generate(server, model, PROMPT)
-    assert_same(generate(server, model, EXTENSION), cold)
-
-
-def test_a_prompt_sharing_only_a_prefix(server: str, model: str):
-    unload(server, model)
-    cold = generate(server, model, OTHER_ENDING)
+    cold = generate(server, model, prompt)
     unload(server, model)
     generate(server, model, PROMPT)
-    assert_same(generate(server, model, OTHER_ENDING), cold)
+    assert_same(generate(server, model, prompt), cold)
 
 
 def test_a_conversation_through_context(server: str, model: str):

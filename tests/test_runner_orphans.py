@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from serve_process import free_port, pid_alive
+from serve_process import free_port, pid_alive, wait_until_serving
 
 from ollama_engine.fs.synthetic import write_synthetic
 from ollama_engine.server.parent import PARENT_DEATH_SIGNAL_ENV, PARENT_PID_ENV
@@ -77,14 +77,7 @@ def test_runners_exit_when_serve_is_killed(tmp_path: Path) -> None:
     runners: list[int] = []
     with killed_afterwards(runners), killed_afterwards([serve.pid]):
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(url, timeout=2).close()
-                break
-            except OSError:
-                assert serve.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
-                time.sleep(0.2)
+        wait_until_serving(url, serve, tmp_path / "serve.log")
         for model in models:
             reply = post(url + "/api/generate", {"model": str(model), "prompt": "Once", "stream": False,
                                                  "options": {"num_predict": 1, "num_ctx": 256}})

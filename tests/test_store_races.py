@@ -13,16 +13,14 @@ import asyncio
 import contextlib
 import hashlib
 import json
-import resource
-import signal
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from test_faults import disk_full_after
 
 from ollama_engine.fs.synthetic import write_synthetic
 from ollama_engine.store import InvalidName, Store
@@ -263,19 +261,6 @@ def test_an_error_after_a_pull_started_is_one_error_line(tmp_path: Path) -> None
 
     run(body())
     assert not (tmp_path / "etc").exists()
-
-
-@contextlib.contextmanager
-def disk_full_after(limit: int) -> Iterator[None]:
-    """Writes past `limit` bytes in any file fail (EFBIG), as on a full disk; this process's limit, restored."""
-    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-        signal.signal(signal.SIGXFSZ, previous)
 
 
 def test_a_streamed_create_on_a_full_disk_ends_with_an_error_line(ggufs: tuple[Path, Path], tmp_path: Path) -> None:
