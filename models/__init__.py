@@ -27,6 +27,7 @@ from . import (  # noqa: F401 - importing an architecture registers it
     mistral3,
     nomic_bert,
     olmo2,
+    olmo3,
     phi3,
     qwen2,
     qwen2moe,

@@ -1,9 +1,10 @@
-"""phi3, olmo2 and mistral3 against llama.cpp on synthetic models, in F16 and Q4_0.
+"""phi3, olmo2 (and OLMo 3) and mistral3 against llama.cpp on synthetic models, in F16 and Q4_0.
 
 Each variant exercises what sets its architecture apart: phi3's fused q/k/v and gate/up with the long
 LongRoPE factors (a 512-cell context over an original 64) and the attention factor, the short factors,
 and a sliding window llama.cpp ignores (a prompt longer than it: identical results mean we ignore it
-too); olmo2's post-norms and whole-width q/k norms; mistral3 as Ministral 3 (YaRN and a query
+too); olmo2's post-norms and whole-width q/k norms, and as OLMo 3 sliding-window layers (a window of 8, which
+the prompts outgrow) with YaRN on the global ones; mistral3 as Ministral 3 (YaRN and a query
 temperature that steps every 16 positions, which decoding crosses with reused graphs) and as Mistral
 Small 3.1 (plain). Every prompt logit within TOLERANCE of llama.cpp's, then the schedules of
 compare_schedule alone and batched with another sequence: logprobs within TOLERANCE, identical greedy
@@ -39,6 +40,7 @@ MODELS = {  # name -> (architecture, synthetic model options)
     "phi3": ("phi3", {}),
     "phi3-short-factors": ("phi3", {"original_context": 4096, "sliding_window": None}),
     "olmo2": ("olmo2", {}),
+    "olmo3": ("tiny-olmo3", {}),
     "mistral3": ("mistral3", {}),
     "mistral3-plain": ("mistral3", PLAIN_MISTRAL),
 }
@@ -94,7 +96,7 @@ def test_greedy_decoding_matches(synthetic, name: str, weight_type: str, sequenc
 
 
 @pytest.mark.parametrize(("arch", "options", "message"), [
-    ("olmo2", {"sliding_window": 4096}, "olmo2 with sliding-window attention (OLMo 3, window 4096)"),
+    ("olmo2", {"sliding_window": 1, "sliding_window_pattern": 2}, "attention.sliding_window must be in 2.."),
     ("mistral3", {"rope_scaling_type": "longrope"}, "rope.scaling.type 'longrope' is not supported"),
 ])
 def test_what_is_not_supported_is_a_clear_error(tmp_path: Path, arch: str, options: dict, message: str) -> None:

@@ -41,6 +41,7 @@ _ROPE_ARCHITECTURES = (
 _POST_NORM_ARCHITECTURES = ("gemma2", "gemma3", "olmo2")  # olmo2: post-norms only, q/k norms over all heads
 _MOE_ARCHITECTURES = ("qwen3moe", "gpt-oss", "llama4", "qwen2moe")  # a router and stacked experts instead of the FFN
 _BERT_ARCHITECTURES = ("bert", "nomic-bert", "nomic-bert-moe")  # encoders: post-norm, pooled
+_OLLAMA_NAMES = {"gpt-oss": "gptoss", "olmo2": "olmo3"}  # Ollama's converters' architecture names (layout "ollama")
 
 # Every type ggml quantizes to and computes with (Q2_0 aside: gguf-py does not know it yet), and the
 # general.file_type llama-quantize writes for it. K and IQ types need rows that are multiples of 256.
@@ -378,6 +379,28 @@ PRESETS: dict[str, ModelSpec] = {
         qk_norm=True,
         name="tiny-olmo2",
     ),
+    # olmo2 as OLMo 3: sliding-window layers (a window of 8, every third layer global) and YaRN on the global ones;
+    # layout "ollama" writes it as Ollama's converter does (architecture olmo3, the pattern as one flag per layer)
+    "tiny-olmo3": ModelSpec(
+        arch="olmo2",
+        n_layer=3,
+        n_embd=64,
+        n_head=4,
+        n_head_kv=2,
+        n_ff=128,
+        vocab="gpt-2",
+        context_length=512,
+        rope_base=500000.0,
+        eps=1e-6,
+        tied_embeddings=False,
+        qk_norm=True,
+        sliding_window=8,
+        sliding_window_pattern=3,
+        original_context=64,
+        rope_scaling_type="yarn",
+        rope_scaling_factor=8.0,
+        name="tiny-olmo3",
+    ),
     # mistral3 as Ministral 3: YaRN and a query temperature that changes every 16 positions
     "tiny-mistral3": ModelSpec(
         arch="mistral3",
@@ -489,9 +512,9 @@ def write_synthetic(
     tokenizer = _tokenizer_values(spec)
     n_vocab = len(tokenizer["tokenizer.ggml.tokens"][0])
     tensors = list(_tensor_plan(spec, n_vocab, qtype))
-    if spec.layout != "llama.cpp":
+    if spec.layout != "llama.cpp" and spec.arch == "gpt-oss":
         tensors = list(_ollama_gpt_oss(tensors, spec.layout))
-    arch = "gptoss" if spec.layout != "llama.cpp" else spec.arch  # Ollama's architecture name
+    arch = _OLLAMA_NAMES[spec.arch] if spec.layout != "llama.cpp" else spec.arch
 
     path = Path(path)
     partial = path.with_name(path.name + ".partial")
@@ -539,9 +562,9 @@ def _check(spec: ModelSpec) -> None:
     if spec.embedding_type is not None and spec.embedding_type not in WEIGHT_TYPES:
         raise ValueError(f"unknown embedding type {spec.embedding_type!r}: choose one of {tuple(WEIGHT_TYPES)}")
     if spec.layout not in ("llama.cpp", "ollama", "ollama-qkv", "ollama-2025-09", "ollama-2025-08") or (
-            spec.layout != "llama.cpp" and spec.arch != "gpt-oss"):
+            spec.layout != "llama.cpp" and spec.arch != "gpt-oss" and (spec.arch, spec.layout) != ("olmo2", "ollama")):
         raise ValueError(f"{spec.name}: layout {spec.layout!r}: llama.cpp, or ollama, ollama-qkv, ollama-2025-09 "
-                         "or ollama-2025-08 for gpt-oss")
+                         "or ollama-2025-08 for gpt-oss, ollama for olmo2")
     if spec.expert_type is not None and spec.expert_type not in WEIGHT_TYPES:
         raise ValueError(f"unknown expert type {spec.expert_type!r}: choose one of {tuple(WEIGHT_TYPES)}")
     if spec.arch not in ARCHITECTURES:
@@ -894,10 +917,14 @@ def _add_hparams(writer: gguf.GGUFWriter, spec: ModelSpec, n_vocab: int, file_ty
     elif spec.n_rot != spec.n_embd // spec.n_head:
         writer.add_key_length(spec.n_rot)
         writer.add_value_length(spec.n_rot)
-    for key, value in (("attention.sliding_window", spec.sliding_window),
-                       ("attention.sliding_window_pattern", spec.sliding_window_pattern)):
-        if value is not None:
-            writer.add_uint32(f"{writer.arch}.{key}", value)
+    if spec.sliding_window is not None:
+        writer.add_uint32(f"{writer.arch}.attention.sliding_window", spec.sliding_window)
+    if spec.sliding_window_pattern is not None and writer.arch == "olmo3":  # Ollama's: a flag per layer
+        n = spec.sliding_window_pattern
+        writer.add_array(f"{writer.arch}.attention.sliding_window_pattern",
+                         [n == 0 or i % n < n - 1 for i in range(spec.n_layer)])
+    elif spec.sliding_window_pattern is not None:
+        writer.add_uint32(f"{writer.arch}.attention.sliding_window_pattern", spec.sliding_window_pattern)
     for key, value in (("rope.freq_base_swa", spec.rope_base_swa), ("attn_logit_softcapping", spec.attn_softcap),
                        ("final_logit_softcapping", spec.final_softcap)):
         if value is not None:
