@@ -258,7 +258,9 @@ class RunnerServer:
                 slots.release()  # the sequence has left its place in the batch loop
 
         try:
-            runner.add(seq, lambda item: inbox.put(deliver, item))
+            with runner.cond:  # the batch loop takes inputs under this lock: count the reused ones before it can
+                runner.add(seq, lambda item: inbox.put(deliver, item))
+                cached = seq.num_prompt_inputs - len(seq.inputs)
         except Exception as err:
             slots.release()
             return text_error(500, str(err))
@@ -273,10 +275,10 @@ class RunnerServer:
             if seq.error is not None:  # no result: the stream ends without done (the parent reports the error)
                 await response.write(encode({"error": seq.error}))
             else:
-                await response.write(encode(completion_done(
-                    seq.done_reason, seq.num_prompt_inputs, seq.processing_duration, seq.num_predicted,
-                    seq.eval_duration(),
-                )))
+                done = completion_done(seq.done_reason, seq.num_prompt_inputs, seq.processing_duration,
+                                       seq.num_predicted, seq.eval_duration())
+                done["prompt_cached_count"] = cached  # ours: prompt tokens reused from the cache (serve's metrics)
+                await response.write(encode(done))
         except ConnectionResetError:
             log.debug("client went away during a completion")
         finally:

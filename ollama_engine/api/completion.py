@@ -23,6 +23,7 @@ from ollama_engine.sched import Context, Options, RunnerFailedError, Scheduler, 
 from ollama_engine.server.wire import encode
 
 from .catalog import Entry
+from .metrics import Metrics
 from .native import DONE_REASONS, NDJSON, ApiError, json_response, schedule
 
 log = logging.getLogger(__name__)
@@ -81,10 +82,17 @@ async def runner_chunks(scheduler: Scheduler, job: Job) -> Chunks:
             if runner.failure:
                 raise ApiError(500, runner.failure)
             args = (job.prompt, job.sampling) + ((job.extra,) if job.extra else ())
+            events = scheduler.events
+            timer = events.completion(job.entry.name, job.start) if isinstance(events, Metrics) else None
             try:
                 async for chunk in runner.llama.completion(*args):
                     if "error" in chunk:  # the runner failed part-way (a grammar in an error state)
                         raise ApiError(500, chunk["error"])
+                    if timer is not None:
+                        if chunk.get("done"):
+                            timer.done(chunk)
+                        elif chunk.get("content") or chunk.get("logprobs"):
+                            timer.chunk()
                     yield chunk
                     if chunk.get("done"):
                         return

@@ -20,10 +20,12 @@ from ollama_engine.store import Store
 from .catalog import Catalog
 from .chat import chat_routes
 from .embed import embed_routes
+from .metrics import Metrics
 from .middleware import allowed_origins, cors_middleware, error_middleware, host_middleware, remember_started
 from .models_routes import model_routes
 from .native import native_routes
 from .openai import openai_routes
+from .status import status_routes
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +46,10 @@ def create_app(config: EnvConfig | None = None, scheduler: Scheduler | None = No
     def resolve(name: str) -> Model:
         return catalog.resolve(name).model
 
-    middlewares = [cors_middleware(allowed_origins(config.origins)), host_middleware(config.host), error_middleware]
+    metrics = Metrics(scheduler)
+    scheduler.events = metrics
+    middlewares = [metrics.middleware(), cors_middleware(allowed_origins(config.origins)), host_middleware(config.host),
+                   error_middleware]
     app = web.Application(client_max_size=MAX_BODY, middlewares=middlewares, handler_args={"read_bufsize": READ_BUFFER})
     app.on_response_prepare.append(remember_started)
     app[SCHEDULER] = scheduler
@@ -54,6 +59,7 @@ def create_app(config: EnvConfig | None = None, scheduler: Scheduler | None = No
     embed = embed_routes(app, scheduler, catalog)
     model_routes(app, scheduler, catalog)
     openai_routes(app, chat, embed)
+    status_routes(app, scheduler, catalog, metrics, config)
 
     async def start(app: web.Application) -> None:
         removed = await asyncio.to_thread(catalog.store.remove_temp_files)

@@ -36,6 +36,7 @@ from ollama_engine.server.wire import LoadOperation, LoadRequest
 from .discovery import system_info
 from .layout import InsufficientSystemMemoryError, LoadRequiredFullError
 from .load import Attempt, LoadError, LoadOptions, load
+from .memory_svg import memory_svg
 
 SIMULATED_NOTE = (
     "simulated GPUs: per-layer weights and KV cache were measured on the CPU and charged to the GPU the layout "
@@ -356,6 +357,7 @@ def add_plan_command(subparsers: argparse._SubParsersAction) -> None:
     plan.add_argument("--gpu", action="append", default=[], metavar="LIBRARY:ID:FREE",
                       help="a simulated GPU, e.g. CUDA:GPU-0:8GiB (repeatable); default: the GPUs present")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
+    plan.add_argument("--svg", metavar="FILE", help="also write the memory per device and layer as an SVG picture")
     plan.set_defaults(run=run_plan)
 
 
@@ -371,6 +373,11 @@ def run_plan(args: argparse.Namespace) -> int:
     options = LoadOptions(num_ctx=args.ctx, parallel=args.parallel, batch_size=args.batch, num_gpu=args.num_gpu,
                           flash_attention=flash, kv_cache_type=args.kv_type, flash_attention_reason=flash_why)
     plan = make_plan(args.model, options, gpus, bool(simulated), system_info())
+    if args.svg:
+        title = f"{args.model}: {plan.layout.sum()} of {plan.total_layers} layers on GPUs" + (
+            " (simulated)" if plan.simulated else "") + ("" if plan.fits else " - does not fit")
+        with open(args.svg, "w", encoding="utf-8") as out:
+            out.write(memory_svg(plan.memory, title))
     if args.json:
         json.dump(plan_json(plan), sys.stdout, indent=2)
         sys.stdout.write("\n")

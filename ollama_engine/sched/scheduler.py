@@ -63,6 +63,23 @@ async def _no_gpus(runners: list[RunnerRef]) -> list[DeviceInfo]:
     return []
 
 
+class SchedulerEvents:
+    """What the scheduler tells an observer (serve's /metrics); these defaults ignore it. Called on the event
+    loop, so an observer must only record (no I/O)."""
+
+    def model_loaded(self, runner: RunnerRef, seconds: float) -> None:
+        """A runner is ready: `seconds` from the start of its fit/alloc/commit until it answered."""
+
+    def model_load_failed(self, model: str) -> None:
+        """A load ended in an error (the request that started it fails with it)."""
+
+    def model_unloaded(self, runner: RunnerRef, reason: str) -> None:
+        """A runner was stopped; `reason` is the drain reason the log shows (eviction, reload, keep-alive...)."""
+
+    def runner_crashed(self, runner: RunnerRef) -> None:
+        """A runner process exited without being asked to, or stopped answering and was killed."""
+
+
 def default_num_ctx(config: EnvConfig, gpus: Sequence[DeviceInfo]) -> int:
     """OLLAMA_CONTEXT_LENGTH, or Ollama's tier by total VRAM: 4k below 23 GiB, 32k below 47 GiB, else 256k."""
     if config.context_length > 0:
@@ -104,6 +121,7 @@ class Scheduler:
         self.get_system_info_fn = get_system_info_fn or _default_system_info
         self.new_server_fn = new_server_fn or self._default_new_server
         self.read_model_info = read_model_info or _read_model_info
+        self.events = SchedulerEvents()
         self._schedule_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
@@ -367,6 +385,7 @@ class Scheduler:
             if server.model_path != path:
                 raise RuntimeError(f"scheduler retried a load of {server.model_path} for {path}")
         self.active_loading = server
+        load_started = time.monotonic()
         try:
             gpu_ids = await server.load(system_info, gpus, require_full)
         except LoadRequiredFullError as err:
@@ -381,6 +400,7 @@ class Scheduler:
             log.info("failed to load model path=%s error=%s", path, err)
             server.close()
             self.active_loading = None
+            self.events.model_load_failed(req.model.name or model_key(req.model))
             req.fail(err)
             return False
 
@@ -402,16 +422,17 @@ class Scheduler:
         server.add_exit_callback(lambda: self._runner_exited(runner))
         log.info("loading model model=%s parallel=%d num_ctx=%s keep_alive=%s", runner.model_key, num_parallel,
                  opts.num_ctx, session_duration)
-        self._spawn(self._wait_until_running(req, runner), f"sched.wait:{runner.model_key}")
+        self._spawn(self._wait_until_running(req, runner, load_started), f"sched.wait:{runner.model_key}")
         return False
 
-    async def _wait_until_running(self, req: LlmRequest, runner: RunnerRef) -> None:
+    async def _wait_until_running(self, req: LlmRequest, runner: RunnerRef, load_started: float) -> None:
         """The load goes on whether or not the client that started it is still there (pain point 6)."""
         assert runner.llama is not None and runner.ready is not None
         try:
             await runner.llama.wait_until_running()
         except Exception as err:
             log.warning("model failed to start model=%s error=%s", runner.model_key, err)
+            self.events.model_load_failed(req.model.name or runner.model_key)
             req.fail(err)
             runner.ready.set_exception(err)
             runner.loading = False
@@ -425,6 +446,7 @@ class Scheduler:
         req.runner = runner
         req.ctx.add_done_callback(lambda: self.finished_reqs.put_nowait(req))
         runner.ready.set_result(runner)
+        self.events.model_loaded(runner, time.monotonic() - load_started)
         req.succeed(runner)
         runner.monitor = self._spawn(self._monitor(runner), f"sched.monitor:{runner.model_key}")
 
@@ -542,8 +564,9 @@ class Scheduler:
                 log.debug("orphaned runner, unloading it model=%s", runner.model_key)
                 runner.unload()
                 continue
-            log.info("model unloaded model=%s reason=%r", runner.model_key,
-                     runner.drain_reason or runner.failure or "expired")
+            reason = runner.drain_reason or runner.failure or "expired"
+            log.info("model unloaded model=%s reason=%r", runner.model_key, reason)
+            self.events.model_unloaded(runner, reason)
             exited = runner.llama is None or runner.llama.has_exited()
             baseline = None if exited else await self._vram_baseline(runner)
             runner.unload()
@@ -585,6 +608,8 @@ class Scheduler:
             return
         reason = runner.llama.exit_reason() if runner.llama is not None else "unknown"
         log.error("model runner stopped unexpectedly model=%s reason=%r", runner.model_key, reason)
+        if runner.drain_reason != "force stop":  # /api/stop with force kills it on purpose
+            self.events.runner_crashed(runner)
         runner.failure = runner.failure or f"{RUNNER_STOPPED}: {reason}"
         self._drain(runner, "runner process exited")
 
