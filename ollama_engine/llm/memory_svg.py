@@ -45,7 +45,7 @@ class DeviceBars:
 
 
 def device_bars(memory: BackendMemory) -> list[DeviceBars]:
-    """The GPUs in report order, then the CPU, whose first bar is the input weights (token embeddings)."""
+    """The GPUs in report order, then the CPU, whose input bar holds the input weights (token embeddings)."""
     total_layers = len(memory.cpu.weights)
     names = [str(i) for i in range(total_layers - 1)] + ["output"] if total_layers else []
 
@@ -54,7 +54,9 @@ def device_bars(memory: BackendMemory) -> list[DeviceBars]:
         cache = list(device.cache) + [0] * (total_layers - len(device.cache))
         return [(name, weights[i], cache[i]) for i, name in enumerate(names)]
 
-    bars = [DeviceBars(gpu.name or gpu.device_id.id, layers(gpu), gpu.graph) for gpu in memory.gpus]
+    # every panel starts with the input slot (empty on a GPU), so a layer's bars line up across devices
+    bars = [DeviceBars(gpu.name or gpu.device_id.id, [("input", 0, 0), *layers(gpu)], gpu.graph)
+            for gpu in memory.gpus]
     bars.append(DeviceBars(memory.cpu.name or "CPU", [("input", memory.input_weights, 0), *layers(memory.cpu)],
                            memory.cpu.graph))
     return bars
