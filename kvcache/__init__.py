@@ -15,9 +15,11 @@ from .cache import (
     cache_dtype,
 )
 from .causal import Causal, Layout
+from .recurrent import Recurrent, StateError
 from .wrapper import Wrapper
 
 __all__ = [
     "CACHE_TYPES", "Batch", "Cache", "CacheConfig", "CacheError", "CacheFullError", "Causal", "Layout",
-    "Segment", "ShiftError", "ShiftFn", "Wrapper", "attention", "backend_cache_config", "cache_dtype",
+    "Recurrent", "Segment", "ShiftError", "ShiftFn", "StateError", "Wrapper", "attention", "backend_cache_config",
+    "cache_dtype",
 ]

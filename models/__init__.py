@@ -22,6 +22,7 @@ from . import (  # noqa: F401 - importing an architecture registers it
     gemma2,
     gemma3,
     gptoss,
+    lfm2,
     llama,
     llama4,
     mistral3,

@@ -31,12 +31,12 @@ from ollama_engine.fs.gguf_file import Conversion, GGUFFile
 ARCHITECTURES = (
     "llama", "qwen2", "qwen3", "bert", "gemma2", "gemma3", "qwen3moe", "nomic-bert", "phi3", "olmo2", "mistral3",
     "gpt-oss", "llama4", "deepseek2",
-    "qwen2moe", "nomic-bert-moe",
+    "qwen2moe", "nomic-bert-moe", "lfm2",
 )
 _ROPE_ARCHITECTURES = (
     "llama", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3moe", "nomic-bert", "phi3", "olmo2", "mistral3",
     "gpt-oss", "llama4", "deepseek2",
-    "qwen2moe", "nomic-bert-moe",
+    "qwen2moe", "nomic-bert-moe", "lfm2",
 )
 _POST_NORM_ARCHITECTURES = ("gemma2", "gemma3", "olmo2")  # olmo2: post-norms only, q/k norms over all heads
 _MOE_ARCHITECTURES = ("qwen3moe", "gpt-oss", "llama4", "qwen2moe")  # a router and stacked experts instead of the FFN
@@ -121,6 +121,8 @@ class ModelSpec:
     # ffn_gate_up_exps, the experts' biases BF16) or "ollama-2025-08" (and, as its first ones, until 26 August
     # 2025, what gpt-oss:20b still is: MXFP4 experts under type id 4 in OpenAI's nibble order)
     mla: MLASpec | None = None  # deepseek2 only
+    attention_layers: tuple[int, ...] = ()  # lfm2: the layers with attention; the others are short convolutions
+    conv_width: int = 3  # lfm2: shortconv.l_cache, the convolution's taps
     name: str = "synthetic"
 
     @property
@@ -445,6 +447,20 @@ PRESETS: dict[str, ModelSpec] = {
                     groups_used=2),
         name="tiny-deepseek2",
     ),
+    # lfm2: short convolutions (3 taps) with attention in layers 1 and 3, the output tied to token_embd
+    "tiny-lfm2": ModelSpec(
+        arch="lfm2",
+        n_layer=4,
+        n_embd=64,
+        n_head=4,
+        n_head_kv=2,
+        n_ff=128,
+        vocab="gpt-2",
+        context_length=512,
+        rope_base=1000000.0,
+        attention_layers=(1, 3),
+        name="tiny-lfm2",
+    ),
     "smollm2-135m": ModelSpec(
         arch="llama",
         n_layer=30,
@@ -644,7 +660,8 @@ def _tensor_plan(spec: ModelSpec, n_vocab: int, qtype: GGMLQuantizationType) -> 
             yield tensor(MODEL_TENSOR.LAYER_OUT_NORM, "bias", (n_embd,), "bias", i)
         return
 
-    yield tensor(MODEL_TENSOR.OUTPUT_NORM, "weight", (n_embd,), "norm")
+    if spec.arch != "lfm2":  # lfm2's is named token_embd_norm
+        yield tensor(MODEL_TENSOR.OUTPUT_NORM, "weight", (n_embd,), "norm")
     if not spec.tied_embeddings:
         yield tensor(MODEL_TENSOR.OUTPUT, "weight", (n_embd, n_vocab), "embedding")
     if spec.rope_freqs:
@@ -657,6 +674,9 @@ def _tensor_plan(spec: ModelSpec, n_vocab: int, qtype: GGMLQuantizationType) -> 
         return
     if spec.arch == "phi3":
         yield from _phi3_tensors(tensor, spec)
+        return
+    if spec.arch == "lfm2":
+        yield from _lfm2_tensors(tensor, spec)
         return
     for i in range(spec.n_layer):
         if spec.arch != "olmo2":  # olmo2 has no pre-norms
@@ -691,6 +711,29 @@ def _tensor_plan(spec: ModelSpec, n_vocab: int, qtype: GGMLQuantizationType) -> 
                 yield tensor(MODEL_TENSOR.FFN_DOWN_SHEXP, "weight", (n_ff, n_embd), "matrix", i)
                 yield tensor(MODEL_TENSOR.FFN_UP_SHEXP, "weight", (n_embd, n_ff), "matrix", i)
             continue
+        yield tensor(MODEL_TENSOR.FFN_GATE, "weight", (n_embd, n_ff), "matrix", i)
+        yield tensor(MODEL_TENSOR.FFN_DOWN, "weight", (n_ff, n_embd), "matrix", i)
+        yield tensor(MODEL_TENSOR.FFN_UP, "weight", (n_embd, n_ff), "matrix", i)
+
+
+def _lfm2_tensors(tensor, spec: ModelSpec) -> Iterator[_Tensor]:
+    """LFM2's output norm (named token_embd_norm) and layers: short convolutions, and attention in
+    spec.attention_layers with per-head q/k norms; every layer a SwiGLU FFN."""
+    n_embd, n_ff, n_q, n_kv = spec.n_embd, spec.n_ff, spec.n_head * spec.n_rot, spec.n_head_kv * spec.n_rot
+    yield tensor(MODEL_TENSOR.TOKEN_EMBD_NORM, "weight", (n_embd,), "norm")
+    for i in range(spec.n_layer):
+        yield tensor(MODEL_TENSOR.ATTN_NORM, "weight", (n_embd,), "norm", i)
+        if i in spec.attention_layers:
+            for key, shape in ((MODEL_TENSOR.ATTN_Q, (n_embd, n_q)), (MODEL_TENSOR.ATTN_K, (n_embd, n_kv)),
+                               (MODEL_TENSOR.ATTN_V, (n_embd, n_kv)), (MODEL_TENSOR.ATTN_OUT, (n_q, n_embd))):
+                yield tensor(key, "weight", shape, "matrix", i)
+            yield tensor(MODEL_TENSOR.ATTN_Q_NORM, "weight", (spec.n_rot,), "norm", i)
+            yield tensor(MODEL_TENSOR.ATTN_K_NORM, "weight", (spec.n_rot,), "norm", i)
+        else:  # the kernel stays F32, as llama.cpp's quantizer leaves it
+            yield tensor(MODEL_TENSOR.SHORTCONV_CONV, "weight", (spec.conv_width, n_embd), "table", i)
+            yield tensor(MODEL_TENSOR.SHORTCONV_INPROJ, "weight", (n_embd, 3 * n_embd), "matrix", i)
+            yield tensor(MODEL_TENSOR.SHORTCONV_OUTPROJ, "weight", (n_embd, n_embd), "matrix", i)
+        yield tensor(MODEL_TENSOR.FFN_NORM, "weight", (n_embd,), "norm", i)
         yield tensor(MODEL_TENSOR.FFN_GATE, "weight", (n_embd, n_ff), "matrix", i)
         yield tensor(MODEL_TENSOR.FFN_DOWN, "weight", (n_ff, n_embd), "matrix", i)
         yield tensor(MODEL_TENSOR.FFN_UP, "weight", (n_embd, n_ff), "matrix", i)
@@ -888,7 +931,11 @@ def _add_hparams(writer: gguf.GGUFWriter, spec: ModelSpec, n_vocab: int, file_ty
     writer.add_block_count(spec.n_layer)
     writer.add_feed_forward_length(spec.n_ff)
     writer.add_head_count(spec.n_head)
-    writer.add_head_count_kv(spec.n_head_kv)
+    if spec.arch == "lfm2":  # one entry per layer, 0 for a short convolution
+        writer.add_head_count_kv([spec.n_head_kv if i in spec.attention_layers else 0 for i in range(spec.n_layer)])
+        writer.add_uint32(f"{writer.arch}.shortconv.l_cache", spec.conv_width)
+    else:
+        writer.add_head_count_kv(spec.n_head_kv)
     writer.add_vocab_size(n_vocab)
     if spec.arch in _BERT_ARCHITECTURES:
         writer.add_layer_norm_eps(spec.eps)

@@ -69,6 +69,7 @@ reshape_4d = lib.ggml_reshape_4d
 permute = lib.ggml_permute
 transpose = lib.ggml_transpose
 concat = lib.ggml_concat
+ssm_conv = lib.ggml_ssm_conv
 pad = lib.ggml_pad
 pad_ext = lib.ggml_pad_ext
 argsort = lib.ggml_argsort

@@ -473,6 +473,17 @@ class Tensor:
         ctx = self._graph(other)
         return Tensor(ctx, ops.concat(ctx.handle, self.handle, other.handle, dim))
 
+    def ssm_conv(self, kernel: Tensor) -> Tensor:
+        """A causal depthwise convolution over time (ggml_ssm_conv): self (kernel + tokens - 1, channels,
+        sequences) holds each channel's past inputs then its new ones along dim 0; kernel (width, channels)
+        is F32. Returns (channels, tokens, sequences)."""
+        k, x = kernel.ne, self.ne
+        if kernel.dtype != DType.F32 or self.dtype != DType.F32 or k[1] != x[1] or x[0] < k[0] or k[2:] != (1, 1):
+            raise ShapeError(f"ssm_conv: input {self.shape} ({self.dtype.name}) with kernel {kernel.shape} "
+                             f"({kernel.dtype.name}); both F32, the kernel (width, channels)")
+        ctx = self._graph(kernel)
+        return Tensor(ctx, ops.ssm_conv(ctx.handle, self.handle, kernel.handle))
+
     def pad(self, *amounts: int) -> Tensor:
         """Zero-pad at the end of each dimension by amounts (p0, p1, p2, p3)."""
         if len(amounts) > 4 or any(p < 0 for p in amounts):

@@ -139,8 +139,7 @@ class InputCache:
             num_past = resume_point(slot.kernels, num_past, len(prompt), self.batch_size)
 
         if self.kv_cache is not None:
-            if num_past > 0 and not self.kv_cache.can_resume(slot.id, num_past):
-                num_past = 0
+            num_past = self._resumable(slot, num_past, len(prompt))
             try:
                 self.kv_cache.remove(slot.id, num_past, TO_END)
             except self._remove_errors as err:
@@ -157,6 +156,22 @@ class InputCache:
         slot.in_use = True
         slot.last_used = time.monotonic()
         return slot, prompt[num_past:]
+
+    def _resumable(self, slot: InputCacheSlot, num_past: int, length: int) -> int:
+        """num_past, or the nearest earlier position the KV cache can continue from, or 0.
+
+        A cache with recurrent layers (kvcache.Recurrent) continues only where its state is or just after
+        one of its state checkpoints, which its optional resume_position(seq, pos) finds.
+        """
+        nearest = getattr(self.kv_cache, "resume_position", None)
+        while num_past > 0 and not self.kv_cache.can_resume(slot.id, num_past):
+            earlier = nearest(slot.id, num_past) if nearest is not None else 0
+            if self.exact:
+                earlier = resume_point(slot.kernels, earlier, length, self.batch_size)
+            if earlier >= num_past:
+                return 0
+            num_past = earlier
+        return num_past
 
     def chunk_limit(self, position: int) -> int:
         """How many prompt inputs from `position` one batch takes: exact reuse cuts at multiples of

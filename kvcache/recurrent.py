@@ -1,0 +1,375 @@
+"""Recurrent: per-sequence recurrent state beside a Causal cache (Ollama's kvcache.Recurrent), for hybrids.
+
+A hybrid model (LFM2's short convolutions, Mamba-2, gated DeltaNet) has layers that keep a fixed-size
+state per sequence instead of keys and values. Its attention layers use the Causal cache inside this one
+(put, get and the rest are passed through); its recurrent layers read and write states here.
+
+Every recurrent layer has one F32 tensor of rows, each row one whole state (all the layer's state kinds,
+e.g. a conv state and an SSM state, side by side). The rows are a pool shared by all sequences:
+
+    [0, S)                  slots: the live state of a sequence (S = max_sequences)
+    [S, S + S * C)          checkpoints: copies of a sequence's state after some position (C per sequence)
+    ZERO = S + S * C        all zeros, never written: where a new sequence starts
+    SCRATCH = ZERO + 1      written when a batch takes no checkpoint, never read
+
+A sequence's state is a row (refcounted) and the position it has reached. A forward pass reads each
+sequence's row and writes the new state to a row of its own, chosen in prepare(): the same row when the
+sequence alone holds a slot, else a free slot (copy-on-write: forked sequences share one state until one
+of them moves on, and a restored checkpoint is never written over). Which rows a graph reads and writes
+are graph inputs, so a built graph serves every later batch of the same shape.
+
+Checkpoints: after a batch, the state of a sequence is also written to a checkpoint row when the batch
+ends its prompt (more than one token, the last of which wants logits) or `interval` positions have passed
+since its last checkpoint, from `min_position` on; each sequence keeps its newest C. Removing a sequence's
+positions from p on (a prompt-cache hit that shares p inputs, a rollback) resumes from the checkpoint taken
+after position p - 1 (`resume_position` finds the nearest one at or below a wanted position): no
+recomputation from position 0, no copy (the checkpoint row is read in place). Forks share checkpoints too.
+
+A context shift (removing positions in the middle) is refused with ShiftError: a state cannot forget some
+of the tokens it has seen. The runner then clears the slot and evaluates the kept inputs again, as
+Ollama's runner does when its cache cannot shift.
+
+Each sequence of a batch is processed on its own (one segment per sequence, as the Causal cache attends),
+so a sequence's results do not depend on the other sequences in its batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ollama_engine.ml import Backend, Context, DType, ShapeError, Tensor
+
+from .batch import Batch
+from .cache import CacheConfig, CacheError, Segment, ShiftError, ShiftFn
+from .causal import Causal
+
+DEFAULT_CHECKPOINTS = 24  # Ollama's DefaultCheckpointCount, MinPos and Interval
+DEFAULT_MIN_POSITION = 16
+DEFAULT_INTERVAL = 1664
+
+
+class StateError(CacheError):
+    """A batch does not continue a sequence from the position its recurrent state has reached."""
+
+
+@dataclass
+class _Sequence:
+    row: int  # where the state lives: a slot, a checkpoint, or ZERO
+    next: int  # the position the state has reached (-1: unknown until a checkpoint is restored)
+    checkpoints: list[tuple[int, int]] = field(default_factory=list)  # (position, row), oldest first
+
+
+@dataclass(frozen=True)
+class _Bound:
+    serial: int
+    layout: Hashable
+    rows: np.ndarray  # (sequences, 3): read, write, checkpoint row of each sequence of the batch
+    tensor: Tensor
+
+
+class Recurrent:
+    """Recurrent states per sequence for the layers in `state_sizes` (layer -> the sizes of its states,
+    in floats), and a Causal cache for the attention layers."""
+
+    def __init__(self, shift: ShiftFn | None, state_sizes: Mapping[int, Sequence[int]], *,
+                 checkpoints: int = DEFAULT_CHECKPOINTS, interval: int = DEFAULT_INTERVAL,
+                 min_position: int = DEFAULT_MIN_POSITION, **causal_options: int):
+        if checkpoints < 0 or interval < 1 or min_position < 0:
+            raise ValueError(f"checkpoints {checkpoints}, interval {interval} and min_position {min_position} "
+                             "must be non-negative (interval positive)")
+        if not state_sizes or any(not sizes or min(sizes) < 1 for sizes in state_sizes.values()):
+            raise ValueError(f"every recurrent layer needs states of positive sizes, got {dict(state_sizes)}")
+        self.causal = Causal(shift, **causal_options)
+        self.state_sizes = {layer: tuple(sizes) for layer, sizes in state_sizes.items()}
+        self.checkpoint_count = checkpoints
+        self.interval = interval
+        self.min_position = min_position
+        self._backend: Backend | None = None
+
+    # ------------------------------------------------------------ setup
+
+    @property
+    def config(self) -> CacheConfig:
+        return self.causal.config
+
+    def set_config(self, config: CacheConfig) -> None:
+        self.causal.set_config(config)
+
+    def init(self, backend: Backend, dtype: DType, max_sequences: int, capacity: int, max_batch: int) -> None:
+        """Size the causal cache, and allocate every recurrent layer's rows (so fit reports them per layer)."""
+        self.causal.init(backend, dtype, max_sequences, capacity, max_batch)
+        self._backend = backend
+        self._slots = max_sequences
+        self.zero = max_sequences * (1 + self.checkpoint_count)
+        self.scratch = self.zero + 1
+        self._refs = np.zeros(self.scratch + 1, dtype=np.int64)
+        self._sequences: dict[int, _Sequence] = {}
+        self._storage = backend.new_context(len(self.state_sizes) + 1)
+        self._states = {layer: self._storage.layer(layer).zeros(DType.F32, sum(sizes), self.scratch + 1)
+                        .set_name(f"cache_r_l{layer}") for layer, sizes in self.state_sizes.items()}
+        self._layer = 0
+        self._runs: list[tuple[int, int, int]] = []
+        self._rows = np.zeros((0, 3), dtype=np.int32)
+        self._bound: _Bound | None = None
+
+    def close(self) -> None:
+        if self._backend is not None:
+            self._storage.close()
+            self._states = {}
+            self._backend = None
+        self.causal.close()
+
+    def state_bytes(self, layer: int) -> int:
+        """The bytes of layer's rows: its slots, checkpoints, zero and scratch rows."""
+        return self._states[layer].nbytes if layer in self._states else 0
+
+    # ------------------------------------------------------------ a forward pass
+
+    def start_forward(self, ctx: Context, batch: Batch, reserve: bool = False) -> None:
+        self.prepare(batch, reserve)
+        self.bind(ctx)
+
+    def prepare(self, batch: Batch, reserve: bool = False) -> Hashable:
+        """Place the batch: cells for its keys and values, and for each sequence the rows its recurrent
+        layers read and write. Returns the layout a graph depends on: the causal one and the sequences' runs."""
+        self._require_init()
+        runs = self._runs_of(batch)
+        if not reserve:
+            if batch.apart:
+                raise StateError("recurrent layers cannot verify drafted tokens one by one (batch.apart)")
+            for seq, begin, count in runs:
+                expected = self._sequences[seq].next if seq in self._sequences else 0
+                positions = batch.positions[begin:begin + count]
+                if positions[0] != expected or not np.array_equal(positions, np.arange(expected, expected + count)):
+                    raise StateError(f"sequence {seq}'s recurrent state is at position {expected}; a batch must "
+                                     f"continue it with consecutive positions, got {positions[0]}..")
+        layout = self.causal.prepare(batch, reserve)
+        rows = np.empty((len(runs), 3), dtype=np.int32)
+        if reserve:
+            rows[:] = (self.zero, self.scratch, self.scratch)
+        else:
+            for i, (seq, begin, count) in enumerate(runs):
+                state = self._sequences.setdefault(seq, _Sequence(self.zero, 0))
+                rows[i] = self._advance(state, batch, begin, count)
+        self._runs, self._rows = runs, rows
+        return layout, tuple((begin, count) for _, begin, count in runs)
+
+    def bind(self, ctx: Context) -> None:
+        self.causal.bind(ctx)
+        layout = tuple((begin, count) for _, begin, count in self._runs)
+        bound = ctx.bindings.get(self)
+        if isinstance(bound, _Bound) and bound.layout == layout:
+            np.copyto(bound.rows, self._rows)
+        else:
+            rows = self._rows.copy()
+            bound = _Bound(ctx.serial, layout, rows, ctx.input().from_numpy(rows).set_name("rs_rows"))
+            ctx.bindings[self] = bound
+        self._bound = bound
+
+    def spans(self) -> list[tuple[int, int]]:
+        """(first row, rows) of each sequence of the prepared batch, in batch order."""
+        return [(begin, count) for _, begin, count in self._runs]
+
+    def state(self, ctx: Context, layer: int, index: int, kind: int = 0) -> Tensor:
+        """State `kind` of layer for the index-th sequence of the batch, as it was before the batch: (size, 1)."""
+        bound, states = self._require_bound(ctx), self._layer_states(layer)
+        row = states.rows(self._row_index(bound, index, 0))
+        offset, size = self._kind(layer, kind)
+        return row if size == row.ne[0] else row.view(offset * 4, (size, 1))
+
+    def update(self, ctx: Context, layer: int, index: int, values: Sequence[Tensor]) -> None:
+        """Store layer's new states (one tensor per kind, any shape of the kind's size) for the index-th
+        sequence: in its own row, and in a checkpoint row where prepare() planned one."""
+        bound, states = self._require_bound(ctx), self._layer_states(layer)
+        sizes = self.state_sizes[layer]
+        if len(values) != len(sizes) or any(v.element_count() != s for v, s in zip(values, sizes, strict=True)):
+            raise ShapeError(f"layer {layer}'s states are {sizes} floats, got {[v.shape for v in values]}")
+        flat = [v.contiguous().reshape(v.element_count(), 1) if v.dtype == DType.F32 else
+                v.cast(DType.F32).reshape(v.element_count(), 1) for v in values]
+        row = flat[0]
+        for more in flat[1:]:
+            row = row.concat(more, 0)
+        target = Tensor(ctx, states.handle)
+        ctx.forward(target.set_rows(row, self._row_index(bound, index, 1)))
+        ctx.forward(target.set_rows(row, self._row_index(bound, index, 2)))
+
+    # ------------------------------------------------------------ attention layers: the causal cache
+
+    def set_layer(self, layer: int) -> None:
+        self._layer = layer
+        self.causal.set_layer(layer)
+
+    def put(self, ctx: Context, key: Tensor, value: Tensor) -> None:
+        self.causal.put(ctx, key, value)
+
+    def get(self, ctx: Context) -> list[Segment]:
+        return self.causal.get(ctx)
+
+    def rotations(self, ctx: Context, k_dim: int, v_dim: int) -> tuple[Tensor | None, Tensor | None]:
+        return self.causal.rotations(ctx, k_dim, v_dim)
+
+    # ------------------------------------------------------------ sequences
+
+    def copy_prefix(self, source: int, destination: int, length: int) -> None:
+        """Let destination continue source's first `length` positions: its state (shared until one of them
+        writes) where source is exactly there, else its checkpoint after position length - 1, else nothing
+        until a checkpoint below is restored; and source's checkpoints below length."""
+        self._require_init()
+        self.causal.copy_prefix(source, destination, length)
+        if source == destination:
+            return
+        src = self._sequences.get(source, _Sequence(self.zero, 0))
+        self._release(destination)
+        dst = _Sequence(self.zero, 0 if length == 0 else -1)
+        dst.checkpoints = [(p, r) for p, r in src.checkpoints if p < length]
+        for _, r in dst.checkpoints:
+            self._refs[r] += 1
+        if length > 0:
+            row = src.row if src.next == length else next((r for p, r in src.checkpoints if p == length - 1), None)
+            if row is not None:
+                dst.row, dst.next = row, length
+                self._hold(row)
+        self._sequences[destination] = dst
+
+    def can_resume(self, seq: int, position: int) -> bool:
+        self._require_init()
+        if not self.causal.can_resume(seq, position):
+            return False
+        if position == 0:
+            return True
+        state = self._sequences.get(seq)
+        return state is not None and (position == state.next or any(p == position - 1 for p, _ in state.checkpoints))
+
+    def resume_position(self, seq: int, position: int) -> int:
+        """The largest position at or below `position` the sequence can continue from (0 at worst): where its
+        state is, or just after one of its checkpoints."""
+        self._require_init()
+        state = self._sequences.get(seq)
+        if state is None:
+            return 0
+        candidates = [p + 1 for p, _ in state.checkpoints] + [state.next]
+        return max((c for c in candidates if 0 < c <= position and self.can_resume(seq, c)), default=0)
+
+    def remove(self, seq: int, begin: int, end: int | None = None) -> None:
+        """Drop positions from `begin` to the end: the state goes back to the checkpoint after begin - 1
+        (ShiftError if there is none). Dropping positions in the middle is refused with ShiftError."""
+        self._require_init()
+        state = self._sequences.get(seq)
+        if state is None or 0 <= state.next <= begin:  # nothing the state has seen goes
+            self.causal.remove(seq, begin, end)
+            return
+        if end is not None and end > begin and (state.next < 0 or end < state.next):
+            raise ShiftError("recurrent state cannot be shifted")
+        if begin == 0:
+            self.causal.remove(seq, begin, end)
+            self._release(seq)
+            return
+        row = next((r for p, r in state.checkpoints if p == begin - 1), None)
+        if row is None:
+            raise ShiftError(f"no recurrent checkpoint of sequence {seq} at position {begin - 1}")
+        self.causal.remove(seq, begin, end)
+        self._hold(row)
+        self._unhold(state.row)
+        state.row, state.next = row, begin
+        for _, r in [c for c in state.checkpoints if c[0] >= begin]:
+            self._unhold(r)
+        state.checkpoints = [c for c in state.checkpoints if c[0] < begin]
+
+    def checkpoints(self, seq: int) -> list[int]:
+        """The positions after which the sequence has a checkpoint, oldest first."""
+        state = self._sequences.get(seq)
+        return [p for p, _ in state.checkpoints] if state is not None else []
+
+    def position(self, seq: int) -> int:
+        """The position the sequence's state has reached (-1: unknown until a checkpoint is restored)."""
+        state = self._sequences.get(seq)
+        return state.next if state is not None else 0
+
+    def slot(self, seq: int) -> int:
+        """The row the sequence's state lives in (shared rows are how forks share a state)."""
+        state = self._sequences.get(seq)
+        return state.row if state is not None else self.zero
+
+    # ------------------------------------------------------------ internals
+
+    def _advance(self, state: _Sequence, batch: Batch, begin: int, count: int) -> tuple[int, int, int]:
+        """The rows one sequence's batch reads and writes, and its bookkeeping moved past the batch."""
+        read = state.row
+        write = read if read < self._slots and self._refs[read] == 1 else self._take(0, self._slots)
+        if write != read:
+            self._refs[write] = 1
+            self._unhold(read)
+        last = state.next + count - 1
+        checkpoint = self.scratch
+        prompt_end = count > 1 and begin + count - 1 in batch.outputs
+        since = last - state.checkpoints[-1][0] if state.checkpoints else None
+        if self.checkpoint_count and last >= self.min_position and (prompt_end or since is None
+                                                                     or since >= self.interval):
+            if len(state.checkpoints) == self.checkpoint_count:
+                self._unhold(state.checkpoints.pop(0)[1])
+            checkpoint = self._take(self._slots, self.zero)
+            self._refs[checkpoint] = 1
+            state.checkpoints.append((last, checkpoint))
+        state.row, state.next = write, state.next + count
+        return read, write, checkpoint
+
+    def _take(self, low: int, high: int) -> int:
+        """A free row in [low, high); there always is one (each sequence holds at most one slot and C
+        checkpoints)."""
+        free = np.flatnonzero(self._refs[low:high] == 0)
+        if not len(free):
+            raise RuntimeError(f"no free recurrent state row in {low}..{high}: the bookkeeping is broken")
+        return low + int(free[0])
+
+    def _hold(self, row: int) -> None:
+        if row < self.zero:
+            self._refs[row] += 1
+
+    def _unhold(self, row: int) -> None:
+        if row < self.zero:
+            self._refs[row] -= 1
+
+    def _release(self, seq: int) -> None:
+        state = self._sequences.pop(seq, None)
+        if state is not None:
+            self._unhold(state.row)
+            for _, row in state.checkpoints:
+                self._unhold(row)
+
+    def _runs_of(self, batch: Batch) -> list[tuple[int, int, int]]:
+        sequences = batch.sequences.tolist()
+        runs, begin = [], 0
+        for i in range(1, len(sequences) + 1):
+            if i == len(sequences) or sequences[i] != sequences[begin]:
+                runs.append((sequences[begin], begin, i - begin))
+                begin = i
+        return runs
+
+    def _kind(self, layer: int, kind: int) -> tuple[int, int]:
+        sizes = self.state_sizes[layer]
+        if not 0 <= kind < len(sizes):
+            raise ShapeError(f"layer {layer} has {len(sizes)} recurrent states, not {kind + 1}")
+        return sum(sizes[:kind]), sizes[kind]
+
+    def _row_index(self, bound: _Bound, index: int, column: int) -> Tensor:
+        if not 0 <= index < len(bound.rows):
+            raise IndexError(f"sequence {index} of a batch of {len(bound.rows)}")
+        return bound.tensor.view((index * 3 + column) * 4, (1,))
+
+    def _layer_states(self, layer: int) -> Tensor:
+        if layer not in self._states:
+            raise ShapeError(f"layer {layer} has no recurrent state (recurrent layers: {sorted(self._states)})")
+        return self._states[layer]
+
+    def _require_init(self) -> None:
+        if self._backend is None:
+            raise RuntimeError("the cache is not initialised (call init() first)")
+
+    def _require_bound(self, ctx: Context) -> _Bound:
+        self._require_init()
+        if self._bound is None or self._bound.serial != ctx.serial:
+            raise RuntimeError("the batch is not bound to this context: call start_forward() (or bind()) with it")
+        return self._bound

@@ -1,0 +1,146 @@
+"""LFM2 (Liquid AI): short-convolution layers with a few attention layers, on the Recurrent cache.
+
+As llama.cpp's lfm2 graph: a layer whose attention.head_count_kv entry is 0 is a short convolution,
+the others attention. Each layer: h += op(rms_norm(h)) (operator_norm), then
+h += ffn_down(silu(ffn_gate(x)) * ffn_up(x)) with x = rms_norm(h). The output norm is stored as
+token_embd_norm; the output matrix is tied to token_embd where the file has none.
+
+Short convolution: b, c, x = split(in_proj(h)); the channels of b * x are convolved over time with a
+kernel of shortconv.l_cache taps (ggml_ssm_conv) whose first l_cache - 1 inputs are the previous tokens'
+(the state the cache keeps per sequence: the last l_cache - 1 inputs of every channel); the result times c
+goes through out_proj. Attention: per-head RMS-normalised q and k (attn_q_norm, attn_k_norm), NeoX RoPE.
+Each sequence of a batch is convolved on its own (kvcache/recurrent.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ollama_engine.kvcache import Batch, Recurrent, attention
+from ollama_engine.ml import Backend, Context, RopeOptions, Tensor
+from ollama_engine.tokenizer import Tokenizer
+
+from .base import Model, ModelError, bind, register, require_uint, weight
+
+
+@dataclass
+class FeedForward:
+    attn_norm: Tensor = weight("attn_norm.weight")  # llama.cpp's operator_norm, before either kind of op
+    ffn_norm: Tensor = weight("ffn_norm.weight")
+    ffn_gate: Tensor = weight("ffn_gate.weight")
+    ffn_up: Tensor = weight("ffn_up.weight")
+    ffn_down: Tensor = weight("ffn_down.weight")
+
+
+@dataclass
+class ConvLayer(FeedForward):
+    conv: Tensor = weight("shortconv.conv.weight")  # (l_cache, hidden), F32
+    in_proj: Tensor = weight("shortconv.in_proj.weight")  # hidden -> 3 * hidden: b, c, x
+    out_proj: Tensor = weight("shortconv.out_proj.weight")
+
+
+@dataclass
+class AttentionLayer(FeedForward):
+    attn_q: Tensor = weight("attn_q.weight")
+    attn_k: Tensor = weight("attn_k.weight")
+    attn_v: Tensor = weight("attn_v.weight")
+    attn_q_norm: Tensor = weight("attn_q_norm.weight")
+    attn_k_norm: Tensor = weight("attn_k_norm.weight")
+    attn_output: Tensor = weight("attn_output.weight")
+
+
+@dataclass
+class Weights:
+    token_embd: Tensor = weight("token_embd.weight")
+    output_norm: Tensor = weight("token_embd_norm.weight")  # llama.cpp's LLM_TENSOR_OUTPUT_NORM_LFM2
+    output: Tensor = weight("output.weight")
+
+
+@register("lfm2")
+class Lfm2(Model):
+    reuse_graphs = True
+    rope_options = RopeOptions(neox=True)
+
+    def __init__(self, backend: Backend, tokenizer: Tokenizer | None):
+        super().__init__(backend, tokenizer)
+        c = self.config
+        self.blocks = require_uint(c, "block_count")
+        self.hidden = require_uint(c, "embedding_length")
+        self.heads = require_uint(c, "attention.head_count")
+        kv = c.value("attention.head_count_kv")
+        self.kv_heads = [int(v) for v in kv] if isinstance(kv, list) else [int(kv)] * self.blocks
+        if len(self.kv_heads) != self.blocks or self.heads == 0 or any(h and self.heads % h for h in self.kv_heads):
+            raise ModelError(f"lfm2: attention.head_count_kv {kv} must give each of {self.blocks} layers 0 (a short "
+                             f"convolution) or a divisor of head_count {self.heads}")
+        self.head_dim = self.hidden // self.heads
+        self.l_cache = require_uint(c, "shortconv.l_cache")
+        if self.l_cache < 2:
+            raise ModelError(f"lfm2: shortconv.l_cache must be at least 2, got {self.l_cache}")
+        if c.get_uint("attention.sliding_window", 0):
+            raise ModelError("lfm2 with sliding-window attention layers is not supported yet")
+        self.eps = c.get_float("attention.layer_norm_rms_epsilon", 1e-5)
+        self.rope_base = c.get_float("rope.freq_base", 10000.0)
+        self.weights = bind(Weights, backend)
+        self.layers: list[ConvLayer | AttentionLayer] = [
+            bind(AttentionLayer if self.kv_heads[i] else ConvLayer, backend, f"blk.{i}.") for i in range(self.blocks)]
+        conv_state = (self.l_cache - 1) * self.hidden
+        self.cache = Recurrent(self.shift, {i: (conv_state,) for i in range(self.blocks) if not self.kv_heads[i]})
+
+    def shift(self, ctx: Context, layer: int, key: Tensor, delta: Tensor) -> Tensor:
+        return key.rope(delta, self.head_dim, self.rope_base, 1.0, None, self.rope_options)
+
+    def short_conv(self, ctx: Context, layer: ConvLayer, x: Tensor, i: int) -> Tensor:
+        """The short convolution of x (hidden, n), each sequence of the batch with its own state."""
+        h, d_conv = self.hidden, self.l_cache - 1
+        bcx = layer.in_proj.matmul(x).set_name(f"model.layers.{{}}.conv.in_proj-{i}")
+        stride = bcx.strides[1]
+        b, x = (bcx.view(k * h * 4, (h, bcx.ne[1]), (stride,)) for k in (0, 2))
+        bx = b.mul(x)
+        outputs = []
+        for s, (begin, count) in enumerate(self.cache.spans()):
+            state = self.cache.state(ctx, i, s).reshape(d_conv, h)
+            sx = state.concat(bx.view(begin * bx.strides[1], (h, count)).transpose(), 0)  # (d_conv + count, h)
+            self.cache.update(ctx, i, s, [sx.view(count * 4, (d_conv, h), (sx.strides[1],))])
+            conv = sx.reshape(d_conv + count, h, 1).ssm_conv(layer.conv).reshape(h, count)
+            outputs.append(bcx.view(begin * stride + h * 4, (h, count), (stride,)).mul(conv))  # c's columns
+        y = outputs[0]
+        for more in outputs[1:]:
+            y = y.concat(more, 1)
+        return layer.out_proj.matmul(y).set_name(f"model.layers.{{}}.conv.out_proj-{i}")
+
+    def self_attention(self, ctx: Context, layer: AttentionLayer, x: Tensor, positions: Tensor, i: int) -> Tensor:
+        n, d, kv = x.ne[1], self.head_dim, self.kv_heads[i]
+        q = layer.attn_q.matmul(x).reshape(d, self.heads, n).rms_norm(layer.attn_q_norm, self.eps)
+        k = layer.attn_k.matmul(x).reshape(d, kv, n).rms_norm(layer.attn_k_norm, self.eps)
+        v = layer.attn_v.matmul(x).reshape(d, kv, n)
+        q = q.rope(positions, d, self.rope_base, 1.0, None, self.rope_options)
+        k = k.rope(positions, d, self.rope_base, 1.0, None, self.rope_options)
+        x = attention(ctx, q, k, v, 1.0 / math.sqrt(d), self.cache).reshape(d * self.heads, n)
+        return layer.attn_output.matmul(x).set_name(f"model.layers.{{}}.self_attn.out_proj-{i}")
+
+    def forward(self, ctx: Context, batch: Batch) -> Tensor | None:
+        if batch.tokens is None:
+            raise ValueError("a text model's batch needs token ids")
+        inputs = ctx.input()
+        positions = inputs.from_numpy(batch.positions).set_name("positions")
+        h = self.weights.token_embd.rows(inputs.from_numpy(batch.tokens).set_name("tokens"))
+        outputs = inputs.from_numpy(batch.outputs).set_name("outputs") if len(batch.outputs) else None
+        last = self.blocks - 1
+        for i, layer in enumerate(self.layers):
+            self.cache.set_layer(i)
+            x = h.rms_norm(layer.attn_norm, self.eps).set_name(f"model.layers.{{}}.operator_norm-{i}")
+            if isinstance(layer, ConvLayer):
+                x = self.short_conv(ctx, layer, x, i)
+            else:
+                x = self.self_attention(ctx, layer, x, positions, i)
+            if i == last:
+                if outputs is None:
+                    return None  # the states and keys are stored; nothing else is wanted
+                x, h = x.rows(outputs), h.rows(outputs)
+            h = h.add(x)
+            x = h.rms_norm(layer.ffn_norm, self.eps)
+            x = layer.ffn_down.matmul(layer.ffn_gate.matmul(x).silu(layer.ffn_up.matmul(x)))
+            h = h.add(x).set_name(f"l_out-{i}")
+        h = h.rms_norm(self.weights.output_norm, self.eps).set_name("result_norm")
+        return self.weights.output.matmul(h).set_name("result_output")
