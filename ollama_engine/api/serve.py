@@ -17,6 +17,7 @@ from ollama_engine.sched import Model, Scheduler
 from ollama_engine.sched.devices import GpuDiscovery
 from ollama_engine.store import Store
 
+from .anthropic import anthropic_routes
 from .catalog import Catalog
 from .chat import chat_routes
 from .embed import embed_routes
@@ -59,6 +60,7 @@ def create_app(config: EnvConfig | None = None, scheduler: Scheduler | None = No
     embed = embed_routes(app, scheduler, catalog)
     model_routes(app, scheduler, catalog)
     openai_routes(app, chat, embed)
+    anthropic_routes(app, chat)
     status_routes(app, scheduler, catalog, metrics, config)
 
     async def start(app: web.Application) -> None:
