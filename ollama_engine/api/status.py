@@ -62,7 +62,7 @@ def runner_status(scheduler: Scheduler, runner: RunnerRef) -> dict[str, Any]:
         "size_vram": runner.vram_size,
         "memory": report.to_json(),
         "devices": totals(device_bars(report)),
-        "svg": memory_svg(report, name),
+        "svg": memory_svg(report),  # the page titles it
     }
 
 
