@@ -8,6 +8,7 @@ As in Ollama's middleware, each request is translated into the native one and ru
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import logging
@@ -16,20 +17,24 @@ import struct
 import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
 
 from ollama_engine.store import StoreError
 
+from .catalog import Entry
 from .chat import ChatRoutes, collect_chat, collect_generate
-from .completion import Chunks, first_chunk
+from .completion import Chunks, Job, first_chunk, runner_chunks
 from .embed import EmbedRoutes, normalize
 from .native import ApiError, json_response, read_json
 from .prompt import request_options
+from .tool_choice import ToolChoiceError, ToolPlan, openai_choice, plan_tools, tool_name
 
 log = logging.getLogger(__name__)
 
+MAX_CHOICES = 8  # `n`: each choice is a whole generation, so keep one request's work bounded
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error"}
 REASONING = {"none": False, "minimal": "low", "low": "low", "medium": "medium", "high": "high", "max": "max",
              "xhigh": "max", "ultra": "max"}
@@ -55,9 +60,10 @@ def sse(value: Any) -> bytes:
 def sampling_options(body: Mapping[str, Any], top_p_zero_is_one: bool = False) -> dict[str, Any]:
     """OpenAI sampling fields as native options; temperature and top_p default to 1.0 (Ollama's choice)."""
     options: dict[str, Any] = {}
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
-    if max_tokens is not None:
-        options["num_predict"] = max_tokens
+    for key in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
+        if body.get(key) is not None:
+            options["num_predict"] = max_token_count(key, body[key])
+            break
     for key in ("seed", "frequency_penalty", "presence_penalty"):
         if body.get(key) is not None:
             options[key] = body[key]
@@ -75,6 +81,27 @@ def sampling_options(body: Mapping[str, Any], top_p_zero_is_one: bool = False) -
     return options
 
 
+def max_token_count(key: str, value: Any) -> int:
+    """max_tokens and its kin: an integer of at least 1, as OpenAI requires. 0 is no "unlimited" here: the
+    runner would read num_predict 0 as no limit."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ApiError(400, f"Invalid type for '{key}': expected an integer, but got {type(value).__name__}.")
+    if value < 1:
+        raise ApiError(400, f"Invalid '{key}': integer below minimum value. Expected a value >= 1, but got "
+                            f"{value} instead.")
+    return value
+
+
+def message_role(message: Any) -> str:
+    """A message's role, lower-cased: a message must be an object with a non-empty string role."""
+    if not isinstance(message, dict):
+        raise ApiError(400, "invalid message format")
+    role = message.get("role")
+    if not isinstance(role, str) or not role:
+        raise ApiError(400, "invalid message: 'role' must be a non-empty string")
+    return role.lower()
+
+
 def native_messages(messages: Any) -> list[dict[str, Any]]:
     """OpenAI messages as native ones: each content part becomes its own message; tool arguments a dict."""
     if not isinstance(messages, list) or not messages:
@@ -82,11 +109,9 @@ def native_messages(messages: Any) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     tool_names: dict[str, str] = {}
     for m in messages:
-        if not isinstance(m, dict):
-            raise ApiError(400, "invalid message format")
-        role = str(m.get("role", "")).lower()
+        role = message_role(m)
         content = m.get("content")
-        parts = content if isinstance(content, list) else [content]
+        parts = content if isinstance(content, list) and content else [content or None]
         for part in parts:
             msg: dict[str, Any] = {"role": role, "content": ""}
             if isinstance(part, str) or part is None:
@@ -106,9 +131,13 @@ def native_messages(messages: Any) -> list[dict[str, Any]]:
             out.append(msg)
         last = out[-1]
         if m.get("tool_calls"):
+            if not isinstance(m["tool_calls"], list):
+                raise ApiError(400, "invalid message: 'tool_calls' must be an array")
             calls = []
             for i, call in enumerate(m["tool_calls"]):
-                function = call.get("function") or {}
+                function = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                    raise ApiError(400, "invalid message: each tool call needs a 'function' with a string 'name'")
                 arguments = function.get("arguments", "")
                 if not isinstance(arguments, str):
                     raise ApiError(400, "json: cannot unmarshal object into Go struct field of type string")
@@ -122,33 +151,88 @@ def native_messages(messages: Any) -> list[dict[str, Any]]:
                     tool_names[call["id"]] = function.get("name", "")
             last["tool_calls"] = calls
         if role == "tool":
-            last["tool_name"] = m.get("name") or tool_names.get(m.get("tool_call_id", ""), "")
+            last["tool_name"] = m.get("name") or tool_names.get(str(m.get("tool_call_id") or ""), "")
             if m.get("tool_call_id"):
-                last["tool_call_id"] = m["tool_call_id"]
+                last["tool_call_id"] = str(m["tool_call_id"])
     return out
 
 
-def chat_request(body: Mapping[str, Any]) -> dict[str, Any]:
-    """/v1/chat/completions as a native /api/chat request."""
+def format_value(kind: Any, schema: Any, field: str) -> Any:
+    """An OpenAI output format (`response_format`, Responses' `text.format`) as the native `format`."""
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return "json"
+    if kind == "json_schema":
+        if not isinstance(schema, dict):
+            raise ApiError(400, f"Missing required parameter: '{field}.schema' (a JSON schema object).")
+        return schema
+    raise ApiError(400, f"Invalid value for '{field}.type': {kind!r}. Supported values are: 'text', 'json_object' "
+                        "and 'json_schema'.")
+
+
+def response_format(value: Any) -> Any:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ApiError(400, "Invalid type for 'response_format': expected an object.")
+    schema = value.get("json_schema")
+    return format_value(value.get("type"), schema.get("schema") if isinstance(schema, dict) else None,
+                        "response_format.json_schema")
+
+
+def function_tools(tools: Any) -> list[dict[str, Any]] | None:
+    """The request's tools, each a function tool (the only kind a local model can run)."""
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list):
+        raise ApiError(400, "Invalid type for 'tools': expected an array.")
+    for tool in tools:
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+            raise ApiError(400, f"unsupported tool type: {kind!r} (only function tools are supported)")
+        if not tool_name(tool):
+            raise ApiError(400, "Missing required parameter: 'tools[].function.name'.")
+    return tools
+
+
+def apply_tools(native: dict[str, Any], tools: Any, choice: Any) -> ToolPlan:
+    """tools and tool_choice into the native request: the tools rendered, and for a forced call the schema
+    the output must match (tool_choice.py)."""
+    try:
+        plan = plan_tools(function_tools(tools), *openai_choice(choice))
+    except ToolChoiceError as err:
+        raise ApiError(400, str(err)) from err
+    if plan.tools:
+        native["tools"] = plan.tools
+    if plan.format is not None:
+        native["format"] = plan.format
+    return plan
+
+
+def reasoning_think(effort: Any) -> bool | str | None:
+    if effort is None:
+        return None
+    if effort not in REASONING:
+        raise ApiError(400, f"invalid reasoning value: '{effort}' (must be one of {', '.join(REASONING)})")
+    return REASONING[effort]
+
+
+def chat_request(body: Mapping[str, Any]) -> tuple[dict[str, Any], ToolPlan]:
+    """/v1/chat/completions as a native /api/chat request, and its tool plan."""
     native: dict[str, Any] = {"model": body.get("model"), "messages": native_messages(body.get("messages")),
                               "options": sampling_options(body), "stream": bool(body.get("stream"))}
-    response_format = body.get("response_format")
-    if isinstance(response_format, dict):
-        if response_format.get("type") == "json_object":
-            native["format"] = "json"
-        elif response_format.get("type") == "json_schema":
-            native["format"] = (response_format.get("json_schema") or {}).get("schema")
-    if body.get("tools"):
-        native["tools"] = body["tools"]
-    effort = body.get("reasoning_effort") or (body.get("reasoning") or {}).get("effort")
-    if effort is not None:
-        if effort not in REASONING:
-            raise ApiError(400, f"invalid reasoning value: '{effort}' (must be one of {', '.join(REASONING)})")
-        native["think"] = REASONING[effort]
+    native["format"] = response_format(body.get("response_format"))
+    plan = apply_tools(native, body.get("tools"), body.get("tool_choice"))
+    think = reasoning_think(body.get("reasoning_effort") or (body.get("reasoning") or {}).get("effort"))
+    if think is not None:
+        native["think"] = think
     if body.get("logprobs"):
         native["logprobs"] = True
         native["top_logprobs"] = body.get("top_logprobs") or 0
-    return native
+    elif body.get("top_logprobs"):
+        raise ApiError(400, "top_logprobs requires logprobs to be true")
+    return native, plan
 
 
 # ---------------------------------------------------------------- response translation
@@ -161,9 +245,54 @@ def openai_tool_calls(calls: list[dict[str, Any]], offset: int = 0) -> list[dict
             for i, c in enumerate(calls)]
 
 
-def usage(final: Mapping[str, Any]) -> dict[str, int]:
+def usage(final: Mapping[str, Any]) -> dict[str, Any]:
+    """OpenAI's usage; prompt_tokens_details.cached_tokens when the runner's prompt cache reused tokens."""
     prompt, completion = final.get("prompt_eval_count", 0), final.get("eval_count", 0)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    out: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                           "total_tokens": prompt + completion}
+    if final.get("cached_tokens"):
+        out["prompt_tokens_details"] = {"cached_tokens": final["cached_tokens"]}
+    return out
+
+
+def chat_run(chat: ChatRoutes, job: Job, tools: Any, think: bool | None) -> Chunks:
+    """chat.chat_chunks for `job`, its final chunk carrying `cached_tokens`: the prompt tokens the runner's
+    prompt cache reused (its done line's `prompt_cached_count`), which the native chunks do not report."""
+    seen = {"cached": 0}
+
+    async def source() -> Chunks:
+        async with aclosing(runner_chunks(chat.scheduler, job)) as raw:
+            async for chunk in raw:
+                if chunk.get("done"):
+                    seen["cached"] = int(chunk.get("prompt_cached_count") or 0)
+                yield chunk
+
+    async def run() -> Chunks:
+        async with aclosing(chat.chat_chunks(job, tools, think, source=source())) as chunks:
+            async for chunk in chunks:
+                yield {**chunk, "cached_tokens": seen["cached"]} if chunk.get("done") else chunk
+
+    return run()
+
+
+def choice_count(body: Mapping[str, Any]) -> int:
+    """`n`: how many choices, run one after another on the model's slots; at most MAX_CHOICES."""
+    n = body.get("n")
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+        raise ApiError(400, f"Invalid 'n': must be an integer from 1 to {MAX_CHOICES}, got {n!r}.")
+    if n > 1 and body.get("stream"):
+        raise ApiError(400, "n > 1 is not supported with stream: true")
+    return n
+
+
+def choice_job(job: Job, index: int) -> Job:
+    """Choice `index`'s own copy of `job`; a fixed seed becomes seed + index, so choices differ but repeat."""
+    sampling = dict(job.sampling)
+    if index and sampling.get("seed", -1) != -1:
+        sampling["seed"] += index
+    return replace(job, sampling=sampling, extra=dict(job.extra))
 
 
 def finish_reason(final: Mapping[str, Any], tool_calls: bool) -> str | None:
@@ -180,6 +309,38 @@ def openai_logprobs(entries: list[dict[str, Any]] | None) -> dict[str, Any] | No
                          "top_logprobs": [{"token": t["token"], "logprob": t["logprob"],
                                            "bytes": list(t["token"].encode())} for t in e.get("top_logprobs") or []]}
                         for e in entries]}
+
+
+async def embedding_texts(entry: Entry, raw: Any) -> list[str]:
+    """/v1/embeddings `input`: a string, strings, token ids, or arrays of token ids (OpenAI accepts all four).
+
+    Token ids become text with the model's tokenizer (the runner embeds text); an id outside the vocabulary
+    is a 400."""
+    if raw == "":
+        raw = [""]
+    if isinstance(raw, str):
+        return [raw]
+    if not isinstance(raw, list) or not raw:
+        raise ApiError(400, "invalid input: expected a string, an array of strings, an array of token ids or an "
+                            "array of arrays of token ids")
+    if all(isinstance(t, str) for t in raw):
+        return raw
+
+    def is_tokens(value: Any) -> bool:
+        return isinstance(value, list) and bool(value) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+    arrays = [raw] if is_tokens(raw) else raw
+    if not all(is_tokens(a) for a in arrays):
+        raise ApiError(400, "invalid input: expected a string, an array of strings, an array of token ids or an "
+                            "array of arrays of token ids")
+    tokenizer = await asyncio.to_thread(lambda: entry.view.tokenizer)
+    size = len(tokenizer.vocab.tokens)
+    for tokens in arrays:
+        bad = next((t for t in tokens if not 0 <= t < size), None)
+        if bad is not None:
+            raise ApiError(400, f"invalid input: token id {bad} is outside the model's vocabulary of {size}")
+    return [tokenizer.decode(tokens) for tokens in arrays]
 
 
 class OpenAIRoutes:
@@ -212,37 +373,51 @@ class OpenAIRoutes:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         try:
             body = await read_json(request)
-            native = chat_request(body)
+            native, plan = chat_request(body)
+            n = choice_count(body)
             entry, job, state = await self.chat.prepare_chat(native)
             assert job is not None  # messages are never empty here
         except ApiError as err:
             return openai_error(err)
-        chunks = self.chat.chat_chunks(job, state["tools"], state["think"])
+        max_calls = None if body.get("parallel_tool_calls") is not False else 1
         ident, created, model = f"chatcmpl-{random.randrange(999)}", int(time.time()), str(body.get("model"))
-        if not body.get("stream"):
-            async with aclosing(chunks):
-                try:
-                    collected = [chunk async for chunk in chunks]
-                except ApiError as err:
-                    return openai_error(err)
-            final = collect_chat(collected)
-            message = final["message"]
-            out_message: dict[str, Any] = {"role": "assistant", "content": message["content"]}
-            if message.get("thinking"):
-                out_message["reasoning"] = message["thinking"]
-            if message.get("tool_calls"):
-                out_message["tool_calls"] = openai_tool_calls(message["tool_calls"])
-            choice: dict[str, Any] = {"index": 0, "message": out_message,
-                                      "finish_reason": finish_reason(final, bool(message.get("tool_calls")))}
-            if final.get("logprobs"):
-                choice["logprobs"] = openai_logprobs(final["logprobs"])
-            return json_response({"id": ident, "object": "chat.completion", "created": created, "model": model,
-                                  "system_fingerprint": "fp_ollama", "choices": [choice], "usage": usage(final)})
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        return await self._stream(request, self._chat_events(chunks, ident, created, model, include_usage))
+        if body.get("stream"):
+            chunks = chat_run(self.chat, job, state["tools"], state["think"])
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            return await self._stream(request, self._chat_events(chunks, ident, created, model, include_usage,
+                                                                 max_calls))
+        try:
+            finals = []
+            for index in range(n):  # one after another: each takes a slot, and the first error ends the request
+                chunks = chat_run(self.chat, choice_job(job, index), state["tools"], state["think"])
+                async with aclosing(chunks):
+                    finals.append(collect_chat([chunk async for chunk in chunks]))
+        except ApiError as err:
+            return openai_error(err)
+        choices = [self._choice(index, final, max_calls) for index, final in enumerate(finals)]
+        total = usage(finals[0])
+        total["completion_tokens"] = sum(f.get("eval_count", 0) for f in finals)
+        total["total_tokens"] = total["prompt_tokens"] + total["completion_tokens"]
+        return json_response({"id": ident, "object": "chat.completion", "created": created, "model": model,
+                              "system_fingerprint": "fp_ollama", "choices": choices, "usage": total})
+
+    @staticmethod
+    def _choice(index: int, final: Mapping[str, Any], max_calls: int | None) -> dict[str, Any]:
+        message = final["message"]
+        out_message: dict[str, Any] = {"role": "assistant", "content": message["content"]}
+        if message.get("thinking"):
+            out_message["reasoning"] = message["thinking"]
+        calls = (message.get("tool_calls") or [])[:max_calls]
+        if calls:
+            out_message["tool_calls"] = openai_tool_calls(calls)
+        choice: dict[str, Any] = {"index": index, "message": out_message,
+                                  "finish_reason": finish_reason(final, bool(calls))}
+        if final.get("logprobs"):
+            choice["logprobs"] = openai_logprobs(final["logprobs"])
+        return choice
 
     async def _chat_events(self, chunks: Chunks, ident: str, created: int, model: str,
-                           include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+                           include_usage: bool, max_calls: int | None = None) -> AsyncIterator[dict[str, Any]]:
         def event(delta: dict[str, Any], reason: str | None = None, logprobs: Any = None) -> dict[str, Any]:
             choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": reason}
             if logprobs:
@@ -265,11 +440,12 @@ class OpenAIRoutes:
                 deltas: list[dict[str, Any]] = []
                 if message.get("thinking"):
                     deltas.append({"reasoning": message["thinking"]})
-                if message.get("content") or message.get("tool_calls") or not deltas:
+                new_calls = (message.get("tool_calls") or [])[:None if max_calls is None else max_calls - calls]
+                if message.get("content") or new_calls or not deltas:
                     delta: dict[str, Any] = {"content": message.get("content", "")}
-                    if message.get("tool_calls"):
-                        delta["tool_calls"] = openai_tool_calls(message["tool_calls"], calls)
-                        calls += len(message["tool_calls"])
+                    if new_calls:  # each call's index counts the calls streamed before it
+                        delta["tool_calls"] = openai_tool_calls(new_calls, calls)
+                        calls += len(new_calls)
                     deltas.append(delta)
                 for delta in deltas:
                     if first:
@@ -287,8 +463,11 @@ class OpenAIRoutes:
                 raise ApiError(400, "prompt must be a string")
             native: dict[str, Any] = {"model": body.get("model"), "prompt": prompt, "suffix": body.get("suffix"),
                                       "options": sampling_options(body, top_p_zero_is_one=True)}
-            if body.get("logprobs"):
-                native.update(logprobs=True, top_logprobs=int(body["logprobs"]))
+            logprobs = body.get("logprobs")
+            if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)):
+                raise ApiError(400, "Invalid type for 'logprobs': expected an integer from 0 to 20.")
+            if logprobs:
+                native.update(logprobs=True, top_logprobs=logprobs)
             entry, job, state = await self.chat.prepare_generate(native)
             if job is None:
                 raise ApiError(400, "prompt is required")
@@ -329,17 +508,12 @@ class OpenAIRoutes:
     async def embeddings(self, request: web.Request) -> web.Response:
         try:
             body = await read_json(request)
-            raw = body.get("input")
-            if raw == "":
-                raw = [""]
-            texts = [raw] if isinstance(raw, str) else raw
-            if not texts or not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
-                raise ApiError(400, "invalid input")
+            entry = self.embed._entry(body.get("model"), "model '{name}' not found")
+            texts = await embedding_texts(entry, body.get("input"))
             encoding = body.get("encoding_format") or "float"
             if encoding not in ("float", "base64"):
                 raise ApiError(400, f"Invalid value for 'encoding_format' = {encoding}. Supported values: "
                                     "['float', 'base64'].")
-            entry = self.embed._entry(body.get("model"), "model '{name}' not found")
             opts, _ = request_options(entry, None)
             vectors, count, _ = await self.embed.embed_texts(entry, texts, opts, None)
             dimensions = body.get("dimensions") or 0
