@@ -16,12 +16,14 @@ import numpy as np
 import pytest
 from llama_reference import Reference, compare_schedule, log_softmax
 from memory_checks import fitted_then_allocated
+from test_batch_invariance import complete, logprob_gap, run_prompts
 
 from ollama_engine import diff
 from ollama_engine.fs.synthetic import write_synthetic
 from ollama_engine.kvcache import Batch, Recurrent, cache_dtype
 from ollama_engine.models import ModelError, load_model
-from ollama_engine.runner.allocate import LoadParams
+from ollama_engine.runner.allocate import LoadParams, open_model
+from ollama_engine.runner.loop import Runner
 
 TOLERANCE = 1e-4
 PROMPTS = ("In a small village by the sea, there lived a fisherman who had three sons",
@@ -141,3 +143,41 @@ def test_fit_equals_alloc_and_states_are_reported_per_layer(synthetic):
 def test_unsupported_files_are_a_clear_error(synthetic, options, message):
     with pytest.raises(ModelError, match=message):
         load_model(synthetic(**options), allocate=False)
+
+
+def test_the_batch_loop_gives_batched_the_solo_logprobs(synthetic):
+    """Through the runner's batch loop (prompts longer than a batch, shared prefixes, two slots): six
+    completions one after the other, then two at a time; the same greedy tokens and logprobs, exactly."""
+    solo = run_prompts(synthetic(), 2, False, concurrent=False)
+    batched = run_prompts(synthetic(), 2, False, concurrent=True)
+    assert max(logprob_gap(a, b) for a, b in zip(solo, batched, strict=True)) == 0.0
+
+
+def test_a_prompt_cache_hit_through_the_runner_resumes_from_a_checkpoint(synthetic):
+    """A prompt sharing most of an earlier one resumes from a state checkpoint (not from position 0) and
+    answers as a cold runner does."""
+    story = " ".join(["the old fisherman went down to the sea every morning"] * 6)
+    first, second = story + ".", story + " and he caught nothing at all that day."
+    params = LoadParams(parallel=1, batch_size=16, kv_size=512, num_threads=1)
+    answers, restored = [], []
+    for prompts in ([first, second], [second]):
+        loaded = open_model(str(synthetic()), params, allocate=True)
+        loaded.model.backend.load()
+        def spy(seq: int, begin: int, end: int | None = None, remove=loaded.model.cache.remove) -> None:
+            restored.append(begin)
+            remove(seq, begin, end)
+
+        loaded.model.cache.remove = spy
+        errors: list[BaseException] = []
+        runner = Runner(loaded, errors.append)
+        runner.start()
+        try:
+            answers.append([complete(runner, prompt) for prompt in prompts][-1])
+        finally:
+            runner.close()
+            loaded.close()
+        assert not errors
+    # the first runner's second prompt resumed after the checkpoint its first prompt left at position 31 (the
+    # end of its first batch past min_position 16); exact reuse drops the later ones (see runner/exact.py)
+    assert restored == [0, 32, 0]
+    assert logprob_gap(answers[1], answers[0]) == 0.0
