@@ -20,7 +20,10 @@ are graph inputs, so a built graph serves every later batch of the same shape.
 
 Checkpoints: after a batch, the state of a sequence is also written to a checkpoint row when the batch
 ends its prompt (more than one token, the last of which wants logits) or `interval` positions have passed
-since its last checkpoint, from `min_position` on; each sequence keeps its newest C. Removing a sequence's
+since its last such checkpoint, from `min_position` on; each sequence keeps its newest C. A prompt batch
+that ends at a multiple of the batch size is checkpointed too, but only until the next one does: the
+runner's exact prompt-cache reuse (runner/exact.py) resumes at such boundaries, so the latest one lets a
+chat's next turn resume at its previous prompt's last full batch. Removing a sequence's
 positions from p on (a prompt-cache hit that shares p inputs, a rollback) resumes from the checkpoint taken
 after position p - 1 (`resume_position` finds the nearest one at or below a wanted position): no
 recomputation from position 0, no copy (the checkpoint row is read in place). Forks share checkpoints too.
@@ -60,6 +63,7 @@ class _Sequence:
     row: int  # where the state lives: a slot, a checkpoint, or ZERO
     next: int  # the position the state has reached (-1: unknown until a checkpoint is restored)
     checkpoints: list[tuple[int, int]] = field(default_factory=list)  # (position, row), oldest first
+    rolling: int | None = None  # the position of the checkpoint kept only until the next batch-aligned one
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,7 @@ class Recurrent:
         self._storage = backend.new_context(len(self.state_sizes) + 1)
         self._states = {layer: self._storage.layer(layer).zeros(DType.F32, sum(sizes), self.scratch + 1)
                         .set_name(f"cache_r_l{layer}") for layer, sizes in self.state_sizes.items()}
+        self._max_batch = max_batch
         self._layer = 0
         self._runs: list[tuple[int, int, int]] = []
         self._rows = np.zeros((0, 3), dtype=np.int32)
@@ -225,6 +230,7 @@ class Recurrent:
         self._release(destination)
         dst = _Sequence(self.zero, 0 if length == 0 else -1)
         dst.checkpoints = [(p, r) for p, r in src.checkpoints if p < length]
+        dst.rolling = src.rolling if src.rolling is not None and src.rolling < length else None
         for _, r in dst.checkpoints:
             self._refs[r] += 1
         if length > 0:
@@ -277,6 +283,8 @@ class Recurrent:
         for _, r in [c for c in state.checkpoints if c[0] >= begin]:
             self._unhold(r)
         state.checkpoints = [c for c in state.checkpoints if c[0] < begin]
+        if state.rolling is not None and state.rolling >= begin:
+            state.rolling = None
 
     def checkpoints(self, seq: int) -> list[int]:
         """The positions after which the sequence has a checkpoint, oldest first."""
@@ -305,16 +313,28 @@ class Recurrent:
         last = state.next + count - 1
         checkpoint = self.scratch
         prompt_end = count > 1 and begin + count - 1 in batch.outputs
-        since = last - state.checkpoints[-1][0] if state.checkpoints else None
-        if self.checkpoint_count and last >= self.min_position and (prompt_end or since is None
-                                                                     or since >= self.interval):
+        aligned = count > 1 and (last + 1) % self._max_batch == 0
+        kept = [p for p, _ in state.checkpoints if p != state.rolling]
+        due = not kept or last - kept[-1] >= self.interval
+        if self.checkpoint_count and last >= self.min_position and (prompt_end or aligned or due):
+            if aligned and state.rolling is not None:  # superseded by this one
+                self._drop(state, state.rolling)
             if len(state.checkpoints) == self.checkpoint_count:
-                self._unhold(state.checkpoints.pop(0)[1])
+                self._drop(state, state.checkpoints[0][0])
             checkpoint = self._take(self._slots, self.zero)
             self._refs[checkpoint] = 1
             state.checkpoints.append((last, checkpoint))
+            state.rolling = None if prompt_end or due else last
         state.row, state.next = write, state.next + count
         return read, write, checkpoint
+
+    def _drop(self, state: _Sequence, position: int) -> None:
+        """Forget the sequence's checkpoint after `position`."""
+        row = next(r for p, r in state.checkpoints if p == position)
+        state.checkpoints.remove((position, row))
+        self._unhold(row)
+        if state.rolling == position:
+            state.rolling = None
 
     def _take(self, low: int, high: int) -> int:
         """A free row in [low, high); there always is one (each sequence holds at most one slot and C

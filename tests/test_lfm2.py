@@ -177,7 +177,8 @@ def test_a_prompt_cache_hit_through_the_runner_resumes_from_a_checkpoint(synthet
             runner.close()
             loaded.close()
         assert not errors
-    # the first runner's second prompt resumed after the checkpoint its first prompt left at position 31 (the
-    # end of its first batch past min_position 16); exact reuse drops the later ones (see runner/exact.py)
-    assert restored == [0, 32, 0]
+    # the first prompt (61 inputs, batches of 16) left checkpoints after positions 31 (its first batch past
+    # min_position 16), 47 (its last full batch) and 60 (its end); exact reuse (runner/exact.py) resumes the
+    # second prompt (69 inputs) at a batch boundary, 48, from the checkpoint after 47
+    assert restored == [0, 48, 0]
     assert logprob_gap(answers[1], answers[0]) == 0.0

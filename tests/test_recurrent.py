@@ -49,12 +49,14 @@ def hybrid(path):
 
 
 def feed(model, seq: int, tokens: list[int], start: int, chunk: int = 64) -> np.ndarray:
-    """Feed tokens to seq from position start, `chunk` at a time, each chunk's last row asking for logits
-    (a prompt's batches); the logits after the last token."""
+    """Feed tokens to seq from position start, `chunk` at a time, as the runner feeds a prompt (only its
+    last row asks for logits); the logits after the last token."""
     for begin in range(0, len(tokens), chunk):
         part = tokens[begin:begin + chunk]
+        last = begin + len(part) == len(tokens)
         logits = model.graphs.compute(Batch(positions=range(start + begin, start + begin + len(part)),
-                                            sequences=[seq] * len(part), outputs=[len(part) - 1], tokens=part))
+                                            sequences=[seq] * len(part), outputs=[len(part) - 1] if last else [],
+                                            tokens=part))
     return logits[0]
 
 
@@ -112,6 +114,16 @@ def test_checkpoints_at_intervals_keep_the_newest_and_a_restore_prunes_the_later
     cold = [feed(model, 1, [A[p]], p) for p in range(20)][13:]
     for step, (a, b) in enumerate(zip(resumed, cold, strict=True)):
         np.testing.assert_array_equal(a, b, err_msg=f"position {13 + step}")
+
+
+def test_the_last_full_batch_of_a_prompt_keeps_a_checkpoint(hybrid):
+    """Prompt batches ending at a multiple of the batch size (16 here) are checkpointed until the next one
+    is: a 60-input prompt keeps the checkpoints after 15 (the first), 47 (its last full batch, which
+    replaced 31) and 59 (its end)."""
+    model = hybrid(min_position=0)
+    feed(model, 0, (A + B)[:60], 0, 16)
+    assert model.cache.checkpoints(0) == [15, 47, 59]
+    assert model.cache.resume_position(0, 50) == 48
 
 
 def test_best_checkpoint_below_a_target_and_none_kept(hybrid):
