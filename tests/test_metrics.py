@@ -6,6 +6,7 @@ OLLAMA_MAX_LOADED_MODELS=1, so asking for a second model must evict the first, a
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -144,6 +145,21 @@ def test_a_second_model_evicts_the_first_and_says_why(server, smollm2_path: Path
     assert value(after, "ollama_engine_model_state", model=second, state="idle") == 1
     assert ("ollama_engine_model_state", frozenset({("model", first), ("state", "idle")})) not in after
     assert value(after, "ollama_engine_runner_crashes_total", model=first) == 0
+
+
+def test_a_stop_is_counted_as_one(server, smollm2_path: Path):
+    model = str(smollm2_path)
+    stream_chat(server, model, [{"role": "user", "content": "Hello"}])
+    before = scrape(server)
+    assert httpx.post(server + "/api/stop", json={"model": model}).json()["stopped"] is True
+    after = before
+    for _ in range(200):  # the unload completes shortly after the answer
+        after = scrape(server)
+        if value(after, "ollama_engine_loaded_models") == 0:
+            break
+        time.sleep(0.05)
+    assert delta(before, after, "ollama_engine_model_unloads_total", model=model, reason="stop") == 1
+    assert value(after, "ollama_engine_loaded_models") == 0
 
 
 def test_unknown_routes_count_under_one_label(server):

@@ -44,6 +44,7 @@ class Dom(HTMLParser):
         self.cells: dict[str, dict[str, dict[str, int]]] = defaultdict(lambda: defaultdict(dict))
         self.bars: dict[str, dict[tuple[str, str, str], int]] = defaultdict(dict)
         self.plan_results: list[tuple[str, str]] = []
+        self.why: list[str] = []
 
     def _within(self, key: str) -> str | None:
         return next((attrs[key] for _, attrs in reversed(self.stack) if key in attrs), None)
@@ -90,6 +91,8 @@ class Dom(HTMLParser):
             self.headings.append(data)
         elif attrs.get("class") == "plan-result":
             self.plan_results.append((attrs["data-model"], data))
+        elif tag == "li" and len(self.stack) > 1 and self.stack[-2][1].get("class") == "why":
+            self.why.append(data)
 
 
 def device_totals(report: dict) -> dict[str, dict[str, int]]:
@@ -145,6 +148,7 @@ def test_the_page_shows_both_models_with_their_runners_memory(server, smollm2_pa
     assert dom.plan_results == [
         (str(stories_path), f"fits: {planned['offloaded_layers']} of {planned['total_layers']} layers on GPUs")]
     assert dom.cells["plan"] == device_totals(planned["memory"])
+    assert dom.why == planned["why"] and dom.why
     assert dom.bars["plan"][("CPU", "input", "weights")] == planned["memory"]["InputWeights"]
     assert str(stories_path) not in ps
 

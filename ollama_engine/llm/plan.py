@@ -212,6 +212,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "offloaded_layers": plan.layout.sum(),
         "total_layers": plan.total_layers,
         "passes": [layout.to_json() for layout in plan.passes],
+        "why": _why(plan),
     }
 
 
