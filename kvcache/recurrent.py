@@ -64,6 +64,7 @@ class _Sequence:
     next: int  # the position the state has reached (-1: unknown until a checkpoint is restored)
     checkpoints: list[tuple[int, int]] = field(default_factory=list)  # (position, row), oldest first
     rolling: int | None = None  # the position of the checkpoint kept only until the next batch-aligned one
+    held: int = 0  # with next -1: how many positions the sequence holds (its keys and values)
 
 
 @dataclass(frozen=True)
@@ -228,7 +229,7 @@ class Recurrent:
             return
         src = self._sequences.get(source, _Sequence(self.zero, 0))
         self._release(destination)
-        dst = _Sequence(self.zero, 0 if length == 0 else -1)
+        dst = _Sequence(self.zero, 0 if length == 0 else -1, held=length)
         dst.checkpoints = [(p, r) for p, r in src.checkpoints if p < length]
         dst.rolling = src.rolling if src.rolling is not None and src.rolling < length else None
         for _, r in dst.checkpoints:
@@ -267,7 +268,7 @@ class Recurrent:
         if state is None or 0 <= state.next <= begin:  # nothing the state has seen goes
             self.causal.remove(seq, begin, end)
             return
-        if end is not None and end > begin and (state.next < 0 or end < state.next):
+        if end is not None and begin < end < (state.next if state.next >= 0 else state.held):
             raise ShiftError("recurrent state cannot be shifted")
         if begin == 0:
             self.causal.remove(seq, begin, end)

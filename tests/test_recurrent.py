@@ -84,6 +84,22 @@ def test_forks_share_a_state_until_one_of_them_moves_on(hybrid):
     np.testing.assert_array_equal(original, fresh(model, 2, [(A[:20], 64), ([B[0]], 1)]))
 
 
+def test_a_fork_between_checkpoints_resumes_from_the_one_below(hybrid):
+    """Forking 18 positions of a sequence whose state is at 24 and checkpointed after 15: the fork has no
+    state at 18 (it cannot continue there), and dropping its positions from 16 on restores the checkpoint."""
+    model = hybrid(min_position=0)
+    cache = model.cache
+    feed(model, 0, A[:24], 0, 16)
+    assert cache.checkpoints(0) == [15, 23]
+    cache.copy_prefix(0, 1, 18)
+    assert cache.position(1) == -1 and not cache.can_resume(1, 18) and cache.resume_position(1, 18) == 16
+    with pytest.raises(ShiftError):
+        cache.remove(1, 4, 8)  # still no shift
+    cache.remove(1, 16, TO_END)
+    assert cache.position(1) == 16 and cache.checkpoints(1) == [15]
+    np.testing.assert_array_equal(feed(model, 1, A[16:20], 16), fresh(model, 2, [(A[:16], 16), (A[16:20], 16)]))
+
+
 def test_a_rollback_resumes_from_the_checkpoint_at_the_prompts_end(hybrid):
     model = hybrid(min_position=0)
     cache = model.cache
