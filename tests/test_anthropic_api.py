@@ -3,6 +3,7 @@ SDK against a real `serve` subprocess on the real SmolLM2-135M-Instruct weights.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -253,3 +254,75 @@ def test_errors_have_anthropic_shape(client: anthropic.Anthropic, server: str):
         client.messages.count_tokens(model="missing", messages=QUESTION)
     response = httpx.post(server + "/v1/messages", content=b"{not json", headers={"content-type": "application/json"})
     assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
+
+
+# ---------------------------------------------------------------- translation, on recorded lines
+
+
+def _lines(*pieces: str, tokens_per_piece: int = 1) -> list[dict[str, Any]]:
+    """Runner lines carrying `pieces` (each with one logprob entry per token), then the final line."""
+    def entries(piece: str) -> list[dict[str, Any]]:
+        size = max(len(piece) // tokens_per_piece, 1)
+        return [{"token": piece[i:i + size], "logprob": -1.0} for i in range(0, len(piece), size)]
+
+    lines = [{"content": p, "done": False, "logprobs": entries(p)} for p in pieces]
+    return lines + [{"content": "", "done": True, "done_reason": 1, "prompt_eval_count": 5,
+                     "prompt_eval_duration": 1, "eval_count": 99, "eval_duration": 1}]
+
+
+def _cut(lines: list[dict[str, Any]], stops: list[str]) -> tuple[list[dict[str, Any]], str | None]:
+    from ollama_engine.api.anthropic import Outcome, stopped_lines
+
+    async def source():
+        for line in lines:
+            yield line
+
+    async def run():
+        outcome = Outcome()
+        return [line async for line in stopped_lines(source(), stops, 7, outcome)], outcome.stop_sequence
+
+    return asyncio.run(run())
+
+
+def test_stop_sequence_across_lines_counts_tokens():
+    out, stop = _cut(_lines("Hel", "lo wo", "rld"), ["o w"])
+    assert stop == "o w" and "".join(line["content"] for line in out) == "Hell"
+    assert out[-1]["done"] and out[-1]["done_reason"] == 0 and out[-1]["prompt_eval_count"] == 7
+    assert out[-1]["eval_count"] == 2  # "Hel" and "lo wo": the token that completed the stop counts
+    out, _ = _cut(_lines("ab", "cdef", tokens_per_piece=2), ["cd"])
+    # tokens "a", "b", then "cd" of "cd", "ef": the cut counts 3, not the line's 4
+    assert out[-1]["eval_count"] == 3 and "".join(line["content"] for line in out) == "ab"
+
+
+def test_stop_sequences_hold_back_only_what_may_begin_one():
+    out, stop = _cut(_lines("one t", "wo", " three"), ["two!", "three"])
+    assert stop == "three" and [line["content"] for line in out[:-1]] == ["one ", "two "]
+    out, stop = _cut(_lines("xy", "z"), ["yq"])
+    assert stop is None and "".join(line["content"] for line in out) == "xyz" and out[-1]["eval_count"] == 99
+    out, stop = _cut(_lines("a stop b", "x"), ["b", "stop"])
+    assert stop == "stop" and out[0]["content"] == "a "  # the earliest in the text wins, not the first listed
+
+
+def test_stream_blocks_on_recorded_chunks():
+    from ollama_engine.api.anthropic import Outcome, message_events
+
+    chunks = [{"message": {"thinking": "hmm"}}, {"message": {"thinking": " ok"}}, {"message": {"content": "Hi"}},
+              {"message": {"content": "", "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}}}]}},
+              {"done": True, "done_reason": "stop", "prompt_eval_count": 3, "eval_count": 4}]
+
+    async def source():
+        for chunk in chunks:
+            yield chunk
+
+    async def run():
+        return [e async for e in message_events(source(), "msg_1", "m", 3, Outcome())]
+
+    events = asyncio.run(run())
+    assert [(e["type"], e.get("index")) for e in events] == [
+        ("message_start", None), ("content_block_start", 0), ("ping", None), ("content_block_delta", 0),
+        ("content_block_delta", 0), ("content_block_stop", 0), ("content_block_start", 1),
+        ("content_block_delta", 1), ("content_block_stop", 1), ("content_block_start", 2),
+        ("content_block_delta", 2), ("content_block_stop", 2), ("message_delta", None), ("message_stop", None)]
+    assert events[10]["delta"] == {"type": "input_json_delta", "partial_json": '{"a": 1}'}
+    assert events[-2]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
+    assert events[-2]["usage"] == {"input_tokens": 3, "output_tokens": 4}
