@@ -23,6 +23,7 @@ from . import (  # noqa: F401 - importing an architecture registers it
     gemma3,
     gptoss,
     lfm2,
+    lfm2moe,
     llama,
     llama4,
     mistral3,

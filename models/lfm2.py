@@ -25,23 +25,27 @@ from .base import Model, ModelError, bind, register, require_uint, weight
 
 
 @dataclass
-class FeedForward:
+class Norms:
     attn_norm: Tensor = weight("attn_norm.weight")  # llama.cpp's operator_norm, before either kind of op
     ffn_norm: Tensor = weight("ffn_norm.weight")
+
+
+@dataclass
+class Dense:
     ffn_gate: Tensor = weight("ffn_gate.weight")
     ffn_up: Tensor = weight("ffn_up.weight")
     ffn_down: Tensor = weight("ffn_down.weight")
 
 
 @dataclass
-class ConvLayer(FeedForward):
+class ConvLayer(Norms):
     conv: Tensor = weight("shortconv.conv.weight")  # (l_cache, hidden), F32
     in_proj: Tensor = weight("shortconv.in_proj.weight")  # hidden -> 3 * hidden: b, c, x
     out_proj: Tensor = weight("shortconv.out_proj.weight")
 
 
 @dataclass
-class AttentionLayer(FeedForward):
+class AttentionLayer(Norms):
     attn_q: Tensor = weight("attn_q.weight")
     attn_k: Tensor = weight("attn_k.weight")
     attn_v: Tensor = weight("attn_v.weight")
@@ -84,8 +88,18 @@ class Lfm2(Model):
         self.weights = bind(Weights, backend)
         self.layers: list[ConvLayer | AttentionLayer] = [
             bind(AttentionLayer if self.kv_heads[i] else ConvLayer, backend, f"blk.{i}.") for i in range(self.blocks)]
+        self.dense = {i: bind(Dense, backend, f"blk.{i}.") for i in range(self.blocks) if self.is_dense(i)}
         conv_state = (self.l_cache - 1) * self.hidden
         self.cache = Recurrent(self.shift, {i: (conv_state,) for i in range(self.blocks) if not self.kv_heads[i]})
+
+    def is_dense(self, layer: int) -> bool:
+        """Whether the layer's FFN is a plain SwiGLU (every layer's, in lfm2)."""
+        return True
+
+    def feed_forward(self, x: Tensor, layer: int) -> Tensor:
+        """The FFN's output for the normed hidden states x of `layer`."""
+        ffn = self.dense[layer]
+        return ffn.ffn_down.matmul(ffn.ffn_gate.matmul(x).silu(ffn.ffn_up.matmul(x)))
 
     def shift(self, ctx: Context, layer: int, key: Tensor, delta: Tensor) -> Tensor:
         return key.rope(delta, self.head_dim, self.rope_base, 1.0, None, self.rope_options)
@@ -139,8 +153,6 @@ class Lfm2(Model):
                     return None  # the states and keys are stored; nothing else is wanted
                 x, h = x.rows(outputs), h.rows(outputs)
             h = h.add(x)
-            x = h.rms_norm(layer.ffn_norm, self.eps)
-            x = layer.ffn_down.matmul(layer.ffn_gate.matmul(x).silu(layer.ffn_up.matmul(x)))
-            h = h.add(x).set_name(f"l_out-{i}")
+            h = h.add(self.feed_forward(h.rms_norm(layer.ffn_norm, self.eps), i)).set_name(f"l_out-{i}")
         h = h.rms_norm(self.weights.output_norm, self.eps).set_name("result_norm")
         return self.weights.output.matmul(h).set_name("result_output")

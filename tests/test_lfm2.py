@@ -1,6 +1,8 @@
-"""lfm2 (short convolutions and attention on kvcache.Recurrent) against llama.cpp, batched, memory, diff.
+"""lfm2 and lfm2moe (short convolutions and attention on kvcache.Recurrent) against llama.cpp, batched,
+memory, diff, the runner.
 
-The tiny-lfm2 preset: four layers, short convolutions (3 taps) in layers 0 and 2, attention in 1 and 3.
+The tiny-lfm2 preset: four layers, short convolutions (3 taps) in layers 0 and 2, attention in 1 and 3;
+tiny-lfm2moe the same with mixtures of 8 experts (2 used) after its first layer.
 Measured against llama.cpp on the same batches: bit-identical logits in every case below (tolerance 1e-4
 on logprobs, as test_architectures). Two sequences per batch are compared with quantized weights only:
 with F16 or F32 weights, ggml's matmul rounds a decode step of two rows differently from one of one row
@@ -34,9 +36,9 @@ PROMPTS = ("In a small village by the sea, there lived a fisherman who had three
 def synthetic(tmp_path_factory: pytest.TempPathFactory):
     folder = tmp_path_factory.mktemp("lfm2")
 
-    def write(weight_type: str = "Q8_0", **options) -> Path:
-        path = folder / f"lfm2-{weight_type}-{'-'.join(f'{k}{v}' for k, v in options.items())}.gguf"
-        return path if path.exists() else write_synthetic(path, "lfm2", weight_type=weight_type, **options)
+    def write(weight_type: str = "Q8_0", arch: str = "lfm2", **options) -> Path:
+        path = folder / f"{arch}-{weight_type}-{'-'.join(f'{k}{v}' for k, v in options.items())}.gguf"
+        return path if path.exists() else write_synthetic(path, arch, weight_type=weight_type, **options)
 
     return write
 
@@ -74,6 +76,16 @@ def test_greedy_decoding_matches(synthetic, weight_type, sequences, flash):
 
 
 @pytest.mark.reference
+@pytest.mark.parametrize(("weight_type", "sequences", "flash"), [("F32", 1, False), ("Q8_0", 2, False),
+                                                                 ("Q4_0", 2, True)])
+def test_lfm2moe_greedy_decoding_matches(synthetic, weight_type, sequences, flash):
+    """lfm2moe: a dense first layer, then mixtures (sigmoid routing, selection bias, normalised weights)."""
+    worst = compare_schedule(synthetic(weight_type, "lfm2moe"), flash=flash, cache_type="f16", sequences=sequences,
+                             steps=8, tolerance=TOLERANCE, prompts=PROMPTS)
+    assert worst < TOLERANCE
+
+
+@pytest.mark.reference
 def test_diff_finds_every_tensor_equal_to_llama_cpps(synthetic):
     """ollama-engine diff: every layer's output (convolution and attention layers) and the logits, bitwise."""
     result = diff.run_diff(synthetic("F32"), PROMPTS[0], threads=1, generate=2)
@@ -101,11 +113,11 @@ def greedy(model, seqs: list[int], steps: int = 12) -> dict[int, list[np.ndarray
     return logits
 
 
-@pytest.mark.parametrize("flash", [False, True])
-def test_batched_equals_solo(synthetic, flash):
+@pytest.mark.parametrize(("arch", "flash"), [("lfm2", False), ("lfm2", True), ("lfm2moe", False)])
+def test_batched_equals_solo(synthetic, arch, flash):
     """A sequence's logits do not depend on another sequence sharing its batches (prompt of another length,
     then decode steps that cross checkpoint positions): bitwise."""
-    model = load_model(synthetic(), num_threads=1, flash_attention=flash)
+    model = load_model(synthetic(arch=arch), num_threads=1, flash_attention=flash)
     try:
         model.backend.load()
         model.cache.init(model.backend, cache_dtype("f16"), 2, 256, 32)
@@ -118,11 +130,12 @@ def test_batched_equals_solo(synthetic, flash):
         model.close()
 
 
-def test_fit_equals_alloc_and_states_are_reported_per_layer(synthetic):
+@pytest.mark.parametrize("arch", ["lfm2", "lfm2moe"])
+def test_fit_equals_alloc_and_states_are_reported_per_layer(synthetic, arch):
     """fit reports what alloc allocates; the convolution layers' cache is their state rows (slots,
     checkpoints, a zero and a scratch row), the attention layers' their keys and values."""
     params = LoadParams(parallel=2, batch_size=32, kv_size=256, num_threads=1)
-    with fitted_then_allocated(str(synthetic()), params) as loaded:
+    with fitted_then_allocated(str(synthetic(arch=arch)), params) as loaded:
         cache = loaded.model.cache
         assert isinstance(cache, Recurrent)
         report = loaded.memory.cpu.cache

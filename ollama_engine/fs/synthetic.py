@@ -31,15 +31,16 @@ from ollama_engine.fs.gguf_file import Conversion, GGUFFile
 ARCHITECTURES = (
     "llama", "qwen2", "qwen3", "bert", "gemma2", "gemma3", "qwen3moe", "nomic-bert", "phi3", "olmo2", "mistral3",
     "gpt-oss", "llama4", "deepseek2",
-    "qwen2moe", "nomic-bert-moe", "lfm2",
+    "qwen2moe", "nomic-bert-moe", "lfm2", "lfm2moe",
 )
 _ROPE_ARCHITECTURES = (
     "llama", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3moe", "nomic-bert", "phi3", "olmo2", "mistral3",
     "gpt-oss", "llama4", "deepseek2",
-    "qwen2moe", "nomic-bert-moe", "lfm2",
+    "qwen2moe", "nomic-bert-moe", "lfm2", "lfm2moe",
 )
 _POST_NORM_ARCHITECTURES = ("gemma2", "gemma3", "olmo2")  # olmo2: post-norms only, q/k norms over all heads
-_MOE_ARCHITECTURES = ("qwen3moe", "gpt-oss", "llama4", "qwen2moe")  # a router and stacked experts instead of the FFN
+# a router and stacked experts instead of the FFN
+_MOE_ARCHITECTURES = ("qwen3moe", "gpt-oss", "llama4", "qwen2moe", "lfm2moe")
 _BERT_ARCHITECTURES = ("bert", "nomic-bert", "nomic-bert-moe")  # encoders: post-norm, pooled
 _OLLAMA_NAMES = {"gpt-oss": "gptoss", "olmo2": "olmo3"}  # Ollama's converters' architecture names (layout "ollama")
 
@@ -123,6 +124,7 @@ class ModelSpec:
     mla: MLASpec | None = None  # deepseek2 only
     attention_layers: tuple[int, ...] = ()  # lfm2: the layers with attention; the others are short convolutions
     conv_width: int = 3  # lfm2: shortconv.l_cache, the convolution's taps
+    leading_dense: int = 0  # lfm2moe: leading_dense_block_count, the layers before the mixtures
     name: str = "synthetic"
 
     @property
@@ -461,6 +463,24 @@ PRESETS: dict[str, ModelSpec] = {
         attention_layers=(1, 3),
         name="tiny-lfm2",
     ),
+    # lfm2moe: tiny-lfm2's layers, the first dense, then mixtures of 8 experts (2 used, sigmoid routing)
+    "tiny-lfm2moe": ModelSpec(
+        arch="lfm2moe",
+        n_layer=4,
+        n_embd=64,
+        n_head=4,
+        n_head_kv=2,
+        n_ff=128,
+        vocab="gpt-2",
+        context_length=512,
+        rope_base=1000000.0,
+        attention_layers=(1, 3),
+        leading_dense=1,
+        n_expert=8,
+        n_expert_used=2,
+        n_ff_exp=32,
+        name="tiny-lfm2moe",
+    ),
     "smollm2-135m": ModelSpec(
         arch="llama",
         n_layer=30,
@@ -660,7 +680,7 @@ def _tensor_plan(spec: ModelSpec, n_vocab: int, qtype: GGMLQuantizationType) -> 
             yield tensor(MODEL_TENSOR.LAYER_OUT_NORM, "bias", (n_embd,), "bias", i)
         return
 
-    if spec.arch != "lfm2":  # lfm2's is named token_embd_norm
+    if spec.arch not in ("lfm2", "lfm2moe"):  # lfm2's is named token_embd_norm
         yield tensor(MODEL_TENSOR.OUTPUT_NORM, "weight", (n_embd,), "norm")
     if not spec.tied_embeddings:
         yield tensor(MODEL_TENSOR.OUTPUT, "weight", (n_embd, n_vocab), "embedding")
@@ -675,7 +695,7 @@ def _tensor_plan(spec: ModelSpec, n_vocab: int, qtype: GGMLQuantizationType) -> 
     if spec.arch == "phi3":
         yield from _phi3_tensors(tensor, spec)
         return
-    if spec.arch == "lfm2":
+    if spec.arch in ("lfm2", "lfm2moe"):
         yield from _lfm2_tensors(tensor, spec)
         return
     for i in range(spec.n_layer):
@@ -734,6 +754,10 @@ def _lfm2_tensors(tensor, spec: ModelSpec) -> Iterator[_Tensor]:
             yield tensor(MODEL_TENSOR.SHORTCONV_INPROJ, "weight", (n_embd, 3 * n_embd), "matrix", i)
             yield tensor(MODEL_TENSOR.SHORTCONV_OUTPROJ, "weight", (n_embd, n_embd), "matrix", i)
         yield tensor(MODEL_TENSOR.FFN_NORM, "weight", (n_embd,), "norm", i)
+        if spec.arch == "lfm2moe" and i >= spec.leading_dense:  # sigmoid-routed experts with a selection bias
+            yield from _expert_tensors(tensor, spec, i)
+            yield tensor(MODEL_TENSOR.FFN_EXP_PROBS_B, "bias", (spec.n_expert,), "bias", i)
+            continue
         yield tensor(MODEL_TENSOR.FFN_GATE, "weight", (n_embd, n_ff), "matrix", i)
         yield tensor(MODEL_TENSOR.FFN_DOWN, "weight", (n_ff, n_embd), "matrix", i)
         yield tensor(MODEL_TENSOR.FFN_UP, "weight", (n_embd, n_ff), "matrix", i)
@@ -931,9 +955,12 @@ def _add_hparams(writer: gguf.GGUFWriter, spec: ModelSpec, n_vocab: int, file_ty
     writer.add_block_count(spec.n_layer)
     writer.add_feed_forward_length(spec.n_ff)
     writer.add_head_count(spec.n_head)
-    if spec.arch == "lfm2":  # one entry per layer, 0 for a short convolution
+    if spec.arch in ("lfm2", "lfm2moe"):  # one entry per layer, 0 for a short convolution
         writer.add_head_count_kv([spec.n_head_kv if i in spec.attention_layers else 0 for i in range(spec.n_layer)])
         writer.add_uint32(f"{writer.arch}.shortconv.l_cache", spec.conv_width)
+        if spec.arch == "lfm2moe":
+            writer.add_leading_dense_block_count(spec.leading_dense)
+            writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     else:
         writer.add_head_count_kv(spec.n_head_kv)
     writer.add_vocab_size(n_vocab)
