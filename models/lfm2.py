@@ -9,7 +9,8 @@ Short convolution: b, c, x = split(in_proj(h)); the channels of b * x are convol
 kernel of shortconv.l_cache taps (ggml_ssm_conv) whose first l_cache - 1 inputs are the previous tokens'
 (the state the cache keeps per sequence: the last l_cache - 1 inputs of every channel); the result times c
 goes through out_proj. Attention: per-head RMS-normalised q and k (attn_q_norm, attn_k_norm), NeoX RoPE.
-Each sequence of a batch is convolved on its own (kvcache/recurrent.py).
+Each sequence of a batch is convolved on its own (kvcache/recurrent.py). Files with
+attention.sliding_window make every attention layer a sliding-window one.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ollama_engine.ml import Backend, Context, RopeOptions, Tensor
 from ollama_engine.tokenizer import Tokenizer
 
 from .base import Model, ModelError, bind, register, require_uint, weight
+from .gemma2 import check_window
 
 
 @dataclass
@@ -81,8 +83,8 @@ class Lfm2(Model):
         self.l_cache = require_uint(c, "shortconv.l_cache")
         if self.l_cache < 2:
             raise ModelError(f"lfm2: shortconv.l_cache must be at least 2, got {self.l_cache}")
-        if c.get_uint("attention.sliding_window", 0):
-            raise ModelError("lfm2 with sliding-window attention layers is not supported yet")
+        window = c.get_uint("attention.sliding_window", 0)
+        check_window(window, (bool(window),))
         self.eps = c.get_float("attention.layer_norm_rms_epsilon", 1e-5)
         self.rope_base = c.get_float("rope.freq_base", 10000.0)
         self.weights = bind(Weights, backend)
@@ -90,7 +92,11 @@ class Lfm2(Model):
             bind(AttentionLayer if self.kv_heads[i] else ConvLayer, backend, f"blk.{i}.") for i in range(self.blocks)]
         self.dense = {i: bind(Dense, backend, f"blk.{i}.") for i in range(self.blocks) if self.is_dense(i)}
         conv_state = (self.l_cache - 1) * self.hidden
-        self.cache = Recurrent(self.shift, {i: (conv_state,) for i in range(self.blocks) if not self.kv_heads[i]})
+        # with attention.sliding_window every attention layer slides (llama.cpp's iswa graph); the window is a
+        # mask over every position kept, as gemma2's (llama.cpp's n_swa counts the token itself)
+        sliding = {"window_size": max(window - 1, 1), "memory_size": max(window, c.get_uint("context_length", 0))}
+        self.cache = Recurrent(self.shift, {i: (conv_state,) for i in range(self.blocks) if not self.kv_heads[i]},
+                               **(sliding if window else {}))
 
     def is_dense(self, layer: int) -> bool:
         """Whether the layer's FFN is a plain SwiGLU (every layer's, in lfm2)."""

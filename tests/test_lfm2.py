@@ -86,6 +86,15 @@ def test_lfm2moe_greedy_decoding_matches(synthetic, weight_type, sequences, flas
 
 
 @pytest.mark.reference
+@pytest.mark.parametrize(("weight_type", "sequences", "flash"), [("F32", 1, False), ("Q8_0", 2, True)])
+def test_sliding_window_attention_matches(synthetic, weight_type, sequences, flash):
+    """attention.sliding_window 8 (every attention layer slides): prompts and decoding past the window."""
+    worst = compare_schedule(synthetic(weight_type, sliding_window=8), flash=flash, cache_type="f16",
+                             sequences=sequences, steps=8, tolerance=TOLERANCE, prompts=PROMPTS)
+    assert worst < TOLERANCE
+
+
+@pytest.mark.reference
 def test_diff_finds_every_tensor_equal_to_llama_cpps(synthetic):
     """ollama-engine diff: every layer's output (convolution and attention layers) and the logits, bitwise."""
     result = diff.run_diff(synthetic("F32"), PROMPTS[0], threads=1, generate=2)
@@ -151,7 +160,7 @@ def test_fit_equals_alloc_and_states_are_reported_per_layer(synthetic, arch):
 
 @pytest.mark.parametrize(("options", "message"), [
     ({"conv_width": 1}, "shortconv.l_cache must be at least 2"),
-    ({"sliding_window": 8}, "lfm2 with sliding-window attention layers is not supported yet"),
+    ({"sliding_window": 1}, "attention.sliding_window must be in 2.."),
 ])
 def test_unsupported_files_are_a_clear_error(synthetic, options, message):
     with pytest.raises(ModelError, match=message):
