@@ -186,6 +186,7 @@ class LlamaCpp:
         cparams.n_threads_batch = a.threads
         cparams.flash_attn_type = api.LLAMA_FLASH_ATTN_TYPE_DISABLED
         cparams.type_k = cparams.type_v = 1  # GGML_TYPE_F16
+        cparams.swa_full = False  # llama-server's default, and our sliding-window cache
         if eval_callback is not None:
             self._eval_callback = eval_callback  # keep a reference
             cparams.cb_eval = eval_callback

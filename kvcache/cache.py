@@ -101,8 +101,10 @@ class Cache(Protocol):
     def set_config(self, config: CacheConfig) -> None:
         """Override the backend's layout; only before init()."""
 
-    def init(self, backend: Backend, dtype: DType, max_sequences: int, capacity: int, max_batch: int) -> None:
-        """Size the cache for max_sequences sequences of `capacity` tokens each, in batches of max_batch."""
+    def init(self, backend: Backend, dtype: DType, max_sequences: int, capacity: int, max_batch: int,
+             value_dtype: DType | None = None) -> None:
+        """Size the cache for max_sequences sequences of `capacity` tokens each, in batches of max_batch;
+        keys of type dtype, values of value_dtype (default: dtype)."""
 
     def close(self) -> None: ...
 

@@ -12,11 +12,20 @@ The bookkeeping is two arrays over the cells: the position each cell holds and w
 A batch is written with set_rows at the cell indices `prepare` chose, and each segment's mask hides
 every cell a token must not see. Everything done per step is vectorised numpy over one region.
 
+A sliding-window or chunked cache is a ring, as llama.cpp's (its default, swa_full off): a region of
+memory + batch cells, not the whole context, so Gemma 3 at 32k tokens keeps 1 024 cells per sliding
+layer instead of 32 768. Each sequence has a head; a batch takes the cells from the head on that are
+free or hold a position the next token no longer needs, so position p lives in cell p mod region
+whatever the batch sizes were (llama.cpp's find_slot places them the same way). A cache hit that drops
+the tail puts the head after the last position kept, so the sequence continues in the cells a cold run
+uses and computes the same numbers; after a context shift the head goes to the first freed cell, as
+llama.cpp's seq_rm does.
+
 Variants (all keyword arguments of the constructor):
 - window_size: sliding-window attention, a token sees itself and the `window_size` positions before;
-- memory_size: how many positions per sequence a sliding-window cache keeps (default: the window),
-  so that a sequence can be resumed a little way back;
-- chunk_size: chunked attention, a token sees only earlier tokens of its own chunk;
+- memory_size: how many positions before the next token a sliding-window cache keeps (default: the
+  window and the token, llama.cpp's n_swa), so that a sequence can be resumed a little way back;
+- chunk_size: chunked attention, a token sees only earlier tokens of its own chunk (memory: a chunk);
 - value_in_key: multi-head latent attention (DeepSeek-V2/V3), as llama.cpp's MLA cache: only keys are
   stored, and a key's first `value_in_key` features are its value (the compressed latent, the rest
   its roped part), so no value tensor exists and V is read as a view of K. put() takes the value
@@ -116,41 +125,51 @@ class Causal:
             raise RuntimeError("the cache configuration cannot be changed once set")
         self._config = config
 
-    def init(self, backend: Backend, dtype: DType, max_sequences: int, capacity: int, max_batch: int) -> None:
+    def init(self, backend: Backend, dtype: DType, max_sequences: int, capacity: int, max_batch: int,
+             value_dtype: DType | None = None) -> None:
         if self._backend is not None:
             raise RuntimeError("the cache is already initialised")
-        if dtype not in CACHE_TYPES.values():
-            raise ValueError(f"unsupported kv cache type {dtype.name}: choose one of {', '.join(CACHE_TYPES)}")
+        value_dtype = dtype if value_dtype is None else value_dtype
+        for t in (dtype, value_dtype):
+            if t not in CACHE_TYPES.values():
+                raise ValueError(f"unsupported kv cache type {t.name}: choose one of {', '.join(CACHE_TYPES)}")
         if min(max_sequences, capacity, max_batch) < 1:
             raise ValueError(f"cache sizes must be positive: {max_sequences=}, {capacity=}, {max_batch=}")
         if self._config is None:
             self._config = backend_cache_config(backend)
         if self._value_in_key is not None and self._config.permuted_v:  # V is a view of K, never transposed
             self._config = dataclasses.replace(self._config, permuted_v=False)
-        if dtype in QUANTIZED_TYPES and (self._config.permuted_v or
-                                         (self._value_in_key is not None and not backend.flash_attention)):
-            raise ValueError(f"a {dtype.name} kv cache needs flash attention (it cannot store V transposed)")
+        if self._value_in_key is not None:
+            value_dtype = dtype  # MLA: the value is part of the key
+        # A quantized V cannot be stored transposed, which the attention without flash attention wants;
+        # quantized keys work either way (as llama.cpp: only a quantized V needs flash attention).
+        if value_dtype in QUANTIZED_TYPES and (self._config.permuted_v or
+                                               (self._value_in_key is not None and not backend.flash_attention)):
+            raise ValueError(f"a {value_dtype.name} V cache needs flash attention (it cannot store V transposed)")
 
-        # `None` is unlimited memory: every position of the sequence is kept.
-        memory = self._memory_request if self._memory_request is not None else self._window
-        if memory is not None and max_sequences > 1:
-            memory = max(memory, self._window + 1)  # room for a stop token that the next turn drops
-        if memory is not None and memory >= capacity:
+        # `None` is unlimited memory: every position of the sequence is kept. A ring needs its memory plus
+        # the batch being added (llama.cpp: n_swa + n_ubatch); one at least the capacity is no ring.
+        memory = self._memory_request
+        if memory is None and self._window is not None:
+            memory = self._window + 1  # llama.cpp's n_swa: the window and the token itself
+        elif memory is None and self._chunk is not None:
+            memory = self._chunk
+        if memory is not None and memory + max_batch >= capacity:
             memory = None
         self._memory = memory
-
-        # A sliding window needs its memory plus the batch being added; never more than the capacity.
-        cells = capacity if memory is None else min(capacity, memory + max_batch)
+        cells = capacity if memory is None else memory + max_batch
         padding = self._config.padding
         self._region = math.ceil(cells / padding) * padding
         self._sequences = max_sequences
         self._cells = max_sequences * self._region
         self._backend = backend
         self._dtype = dtype
+        self._value_dtype = value_dtype
         self._mask_dtype = np.float16 if self._config.mask_dtype == DType.F16 else np.float32
         self._max_batch = max_batch
         self._pos = np.zeros(self._cells, dtype=np.int64)
         self._used = np.zeros(self._cells, dtype=bool)
+        self._heads = np.zeros(max_sequences, dtype=np.int64)  # a ring's next cell, per sequence
         self._storage = backend.new_context(2 * (backend.block_count + 1))
         self._keys: dict[int, Tensor] = {}
         self._values: dict[int, Tensor | None] = {}
@@ -200,7 +219,9 @@ class Causal:
             spans = []
             try:
                 for seq, begin, count in runs:
-                    spans.append(self._place(batch, seq, begin, count, locs))
+                    for row, rows in ([(begin + i, 1) for i in range(count)] if seq in batch.apart
+                                      else [(begin, count)]):
+                        spans.append(self._place(batch, seq, row, rows, locs))
             except CacheFullError:
                 for span in spans:  # give back the cells of the sequences placed before
                     self._used[locs[span.begin : span.begin + span.count]] = False
@@ -261,14 +282,14 @@ class Causal:
         rotated before they are quantized into the cache, and the attention output is rotated back: a
         rotation spreads a head's few large values over all its dimensions, so a 32-wide block no
         longer rounds away the small values beside a large one. Keys use the largest power of two that
-        divides their size, values 64 (llama.cpp's choices); None where the cache is not quantized or a
-        size is not a multiple of 64.
+        divides their size, values 64 (llama.cpp's choices); None where that half of the cache is not
+        quantized or its size is not a multiple of 64.
         """
         self._require_init()
-        if self._dtype not in QUANTIZED_TYPES or self._value_in_key is not None:  # llama.cpp rotates no MLA cache
+        if self._value_in_key is not None:  # llama.cpp rotates no MLA cache
             return None, None
-        k_size = k_dim & -k_dim if k_dim % 64 == 0 else None
-        v_size = 64 if v_dim % 64 == 0 else None
+        k_size = k_dim & -k_dim if k_dim % 64 == 0 and self._dtype in QUANTIZED_TYPES else None
+        v_size = 64 if v_dim % 64 == 0 and self._value_dtype in QUANTIZED_TYPES else None
         return (self._hadamard(ctx, k_size) if k_size else None, self._hadamard(ctx, v_size) if v_size else None)
 
     def _hadamard(self, ctx: Context, n: int) -> Tensor:
@@ -320,10 +341,12 @@ class Causal:
         src, dst = self._cells_of(source), self._cells_of(destination)
         if source == destination:
             self._used[src] &= self._pos[src] < length
+            self._heads[source] = self._after_last(source)
             return
         copied = self._used[src] & (self._pos[src] < length)
         self._used[dst] = copied
         self._pos[dst] = np.where(copied, self._pos[src], 0)
+        self._heads[destination] = self._after_last(destination)
         if not copied.any() or not self._keys:
             return
         span = len(copied) - int(copied[::-1].argmax())  # up to the last copied cell
@@ -338,14 +361,20 @@ class Causal:
 
     def can_resume(self, seq: int, position: int) -> bool:
         self._require_init()
-        if self._memory is None:
+        if self._window is None and self._chunk is None:
             return True
         cells = self._cells_of(seq)
         used = self._used[cells]
         if not used.any():
             return False
         stored = self._pos[cells][used]
-        return max(0, position - self._window) >= stored.min() and position <= stored.max() + 1
+        return self._first_needed(position) >= stored.min() and position <= stored.max() + 1
+
+    def _first_needed(self, position: int) -> int:
+        """The earliest position a token at `position` attends to."""
+        if self._window is not None:
+            return max(0, position - self._window)
+        return position - position % self._chunk if self._chunk is not None else 0
 
     def remove(self, seq: int, begin: int, end: int | None = None) -> None:
         self._require_init()
@@ -366,6 +395,18 @@ class Causal:
         if moved.any():
             pos[moved] += begin - end
             self._shift_keys(cells.start + np.flatnonzero(moved), begin - end)
+            if removed.any():  # llama.cpp's seq_rm: the search starts again at the first freed cell
+                self._heads[seq] = min(self._heads[seq], int(removed.argmax()))
+        else:
+            self._heads[seq] = self._after_last(seq)
+
+    def _after_last(self, seq: int) -> int:
+        """The cell after the one holding the sequence's last position (0 when it holds none)."""
+        cells = self._cells_of(seq)
+        used = self._used[cells]
+        if not used.any():
+            return 0
+        return (int(np.where(used, self._pos[cells], -1).argmax()) + 1) % self._region
 
     def _shift_keys(self, cells: np.ndarray, offset: int) -> None:
         """Re-rotate the keys of these (sorted) cells by `offset`, at most max_batch cells per graph."""
@@ -430,24 +471,26 @@ class Causal:
         return runs
 
     def _place(self, batch: Batch, seq: int, begin: int, count: int, locs: np.ndarray) -> _Span:
-        """Store one sequence's rows in the first free cells of its region; the history they attend to."""
+        """Store one sequence's rows in cells of its region; the history they attend to."""
         cells = self._cells_of(seq)
         used, pos = self._used[cells], self._pos[cells]  # views of the region
         positions = batch.positions[begin : begin + count]
         first = int(positions[0]) if count == 1 else int(positions.min())
         if self._memory is not None:
-            used &= pos >= first - self._memory  # in place: evicts from the bookkeeping
-        if count == 1:  # a decode step: one pass over the region, scalar stores
+            offsets = self._ring_cells(seq, used, pos, first, count)
+        elif count == 1:  # a decode step: one pass over the region, scalar stores
             offset = int(used.argmin())
             if used[offset]:
                 raise CacheFullError(f"could not find a kv cache slot (cache: {self._region} batch: 1)")
             offsets = np.array([offset], dtype=np.int32)
-            pos[offset] = first
-            used[offset] = True
         else:
             offsets = np.flatnonzero(~used)[:count].astype(np.int32)
             if len(offsets) < count:
                 raise CacheFullError(f"could not find a kv cache slot (cache: {self._region} batch: {count})")
+        if count == 1:
+            pos[offsets[0]] = first
+            used[offsets[0]] = True
+        else:
             pos[offsets] = positions
             used[offsets] = True
         locs[begin : begin + count] = offsets + cells.start
@@ -458,6 +501,28 @@ class Causal:
         start = low // padding * padding
         stop = math.ceil(high / padding) * padding  # the region is a multiple of the padding
         return _Span(begin, count, cells.start + start, stop - start)
+
+    def _ring_cells(self, seq: int, used: np.ndarray, pos: np.ndarray, first: int, count: int) -> np.ndarray:
+        """The cells of a ring from the sequence's head on that are free or hold a position out of memory.
+
+        As llama.cpp's find_slot; overwriting a position drops every earlier one of the sequence too
+        (its apply_ubatch), so what a sequence keeps is always a run of positions.
+        """
+        last = int(pos.max(where=used, initial=-1))
+        stale = min(first, last + 1) - self._memory  # positions below this are out of every row's memory
+        head = int(self._heads[seq])
+        if count == 1 and (not used[head] or pos[head] < stale):  # a decode step in steady state
+            offsets = np.array([head], dtype=np.int32)
+        else:
+            order = np.roll(np.arange(self._region, dtype=np.int32), -head)
+            offsets = order[(~used | (pos < stale))[order]][:count]
+            if len(offsets) < count:
+                raise CacheFullError(f"could not find a kv cache slot (cache: {self._region} batch: {count})")
+        overwritten = used[offsets]
+        if overwritten.any():
+            used &= pos > pos[offsets][overwritten].max()  # in place: drops the bookkeeping of older positions
+        self._heads[seq] = (int(offsets[-1]) + 1) % self._region
+        return offsets
 
     def _build_masks(self) -> list[np.ndarray]:
         """Per segment, (rows, history) of 0 where a token may attend to a cell and -inf where not."""
@@ -511,9 +576,9 @@ class Causal:
                 self._values[layer] = None
             else:
                 if self.config.permuted_v:
-                    values = storage.zeros(self._dtype, self._cells, v_dim, v_heads)
+                    values = storage.zeros(self._value_dtype, self._cells, v_dim, v_heads)
                 else:
-                    values = storage.zeros(self._dtype, v_dim, v_heads, self._cells)
+                    values = storage.zeros(self._value_dtype, v_dim, v_heads, self._cells)
                 self._values[layer] = values.set_name(f"cache_v_l{layer}")
         keys, values = self._keys[layer], self._values[layer]
         if values is None:

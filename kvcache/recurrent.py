@@ -103,9 +103,10 @@ class Recurrent:
     def set_config(self, config: CacheConfig) -> None:
         self.causal.set_config(config)
 
-    def init(self, backend: Backend, dtype: DType, max_sequences: int, capacity: int, max_batch: int) -> None:
+    def init(self, backend: Backend, dtype: DType, max_sequences: int, capacity: int, max_batch: int,
+             value_dtype: DType | None = None) -> None:
         """Size the causal cache, and allocate every recurrent layer's rows (so fit reports them per layer)."""
-        self.causal.init(backend, dtype, max_sequences, capacity, max_batch)
+        self.causal.init(backend, dtype, max_sequences, capacity, max_batch, value_dtype=value_dtype)
         self._backend = backend
         self._slots = max_sequences
         self.zero = max_sequences * (1 + self.checkpoint_count)

@@ -26,9 +26,10 @@ class Wrapper:
         for cache in self.caches:
             cache.set_config(config)
 
-    def init(self, backend: Backend, dtype: DType, max_sequences: int, capacity: int, max_batch: int) -> None:
+    def init(self, backend: Backend, dtype: DType, max_sequences: int, capacity: int, max_batch: int,
+             value_dtype: DType | None = None) -> None:
         for cache in self.caches:
-            cache.init(backend, dtype, max_sequences, capacity, max_batch)
+            cache.init(backend, dtype, max_sequences, capacity, max_batch, value_dtype=value_dtype)
 
     def close(self) -> None:
         for cache in self.caches:

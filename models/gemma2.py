@@ -87,13 +87,9 @@ class Gemma2(Llama):
         super().__init__(backend, tokenizer)
         self.gemma = self.gemma_options(self.config, self.options)
         check_window(self.gemma.window, self.gemma.swa)
-        # Causal's window counts the positions before a token; llama.cpp's n_swa includes the token. As in
-        # llama.cpp's default context (swa_full), sliding layers keep every position (up to the training
-        # context) and the window is only a mask: evicting would put new tokens in freed cells, out of
-        # llama.cpp's cell order, and Gemma's 8-bit-quantized activations turn that rounding into drift
-        # (1.5 logprobs on Gemma 3 270M past its 512-token window).
-        sliding = Causal(self.shift, window_size=max(self.gemma.window - 1, 1),
-                         memory_size=max(self.gemma.window, self.config.get_uint("context_length", 0)))
+        # Causal's window counts the positions before a token; llama.cpp's n_swa includes the token. Sliding
+        # layers keep a ring of n_swa + batch cells, as llama.cpp's default (swa_full off).
+        sliding = Causal(self.shift, window_size=max(self.gemma.window - 1, 1))
         self.cache = Wrapper(sliding, Causal(self.shift))
 
     @classmethod

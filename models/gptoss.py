@@ -84,10 +84,9 @@ class GptOss(Llama):
         self.window = self.config.get_uint("attention.sliding_window", 0)
         self.swa = swa_layers(self.config, o.block_count, 2) if self.window else (False,) * o.block_count
         check_window(self.window, self.swa)
-        # Causal's window counts the positions before a token; llama.cpp's n_swa includes the token. The
-        # sliding cache keeps 4096 positions as Ollama's does, so cells are not reused (in a different order
-        # than llama.cpp's full-size window cache) before then.
-        sliding = Causal(self.shift, window_size=max(self.window - 1, 1), memory_size=max(self.window, 4096))
+        # Causal's window counts the positions before a token; llama.cpp's n_swa includes the token. Sliding
+        # layers keep a ring of n_swa + batch cells, as llama.cpp's default (swa_full off).
+        sliding = Causal(self.shift, window_size=max(self.window - 1, 1))
         self.cache = Wrapper(sliding, Causal(self.shift))
 
     def qkv(self, layer: Layer, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -267,6 +267,7 @@ class _LlamaCpp:
         params.n_ctx = n_ctx
         params.n_batch = params.n_ubatch = n_batch
         params.n_seq_max = 1
+        params.swa_full = False  # llama-server's default: a ring of n_swa + n_ubatch cells, as ours
         params.n_threads = params.n_threads_batch = threads
         params.flash_attn_type = 1 if flash else 0
         params.embeddings = embedding

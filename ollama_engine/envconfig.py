@@ -157,6 +157,10 @@ class EnvConfig:
     context_length: int = 0  # 0: by total VRAM
     flash_attention: bool | None = None  # None: automatic
     kv_cache_type: str = ""
+    # OLLAMA_KV_CACHE_TYPE_K / _V: the key or the value cache alone (llama.cpp's -ctk / -ctv); each overrides
+    # OLLAMA_KV_CACHE_TYPE for its half
+    kv_cache_type_k: str = ""
+    kv_cache_type_v: str = ""
     gpu_overhead: int = 0
     sched_spread: bool = False
     origins: tuple[str, ...] = ()  # OLLAMA_ORIGINS: CORS origins allowed besides the defaults
@@ -182,6 +186,8 @@ class EnvConfig:
             context_length=_uint(env, "OLLAMA_CONTEXT_LENGTH", 0),
             flash_attention=_bool(env, "OLLAMA_FLASH_ATTENTION"),
             kv_cache_type=_var(env, "OLLAMA_KV_CACHE_TYPE").lower(),
+            kv_cache_type_k=_var(env, "OLLAMA_KV_CACHE_TYPE_K").lower(),
+            kv_cache_type_v=_var(env, "OLLAMA_KV_CACHE_TYPE_V").lower(),
             gpu_overhead=_uint(env, "OLLAMA_GPU_OVERHEAD", 0),
             sched_spread=bool(_bool(env, "OLLAMA_SCHED_SPREAD")),
             origins=tuple(_var(env, "OLLAMA_ORIGINS").split(",")) if _var(env, "OLLAMA_ORIGINS") else (),

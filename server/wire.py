@@ -221,6 +221,8 @@ class LoadRequest:
     flash_attention: int = 0  # -1 auto, 0 disabled, 1 enabled
     kv_size: int = 0
     kv_cache_type: str = ""
+    kv_cache_type_k: str = ""  # ours, beside Ollama's KvCacheType: the key or value cache alone
+    kv_cache_type_v: str = ""
     num_threads: int = 0
     gpu_layers: GPULayersList = field(default_factory=GPULayersList)
     multi_user_cache: bool = False
@@ -250,6 +252,8 @@ class LoadRequest:
             flash_attention=_typed(data, "flashattention", int, 0),
             kv_size=_typed(data, "kvsize", int, 0),
             kv_cache_type=_typed(data, "kvcachetype", str, ""),
+            kv_cache_type_k=_typed(data, "kvcachetypek", str, ""),
+            kv_cache_type_v=_typed(data, "kvcachetypev", str, ""),
             num_threads=num_threads,
             gpu_layers=gpu_layers,
             multi_user_cache=_typed(data, "multiusercache", bool, False),
@@ -272,6 +276,8 @@ class LoadRequest:
             batch_size=self.batch_size,
             kv_size=self.kv_size,
             kv_cache_type=self.kv_cache_type,
+            kv_cache_type_k=self.kv_cache_type_k,
+            kv_cache_type_v=self.kv_cache_type_v,
             flash_attention=self.flash_attention,
             num_threads=self.num_threads,
             gpu_layers=tuple(self.gpu_layers),

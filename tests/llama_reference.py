@@ -8,6 +8,7 @@ types needs the context parameters and llama_batch directly. One KV stream per s
 from __future__ import annotations
 
 import ctypes
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -23,7 +24,8 @@ class Reference:
     """A llama.cpp context on one GGUF: decode(batch) returns the logits of the rows that ask for them."""
 
     def __init__(self, path: Path, *, n_ctx: int = 1024, n_batch: int = 512, sequences: int = 1,
-                 flash_attention: bool = False, cache_type: str = "f16", threads: int = 2):
+                 flash_attention: bool = False, cache_type: str = "f16", value_cache_type: str | None = None,
+                 threads: int = 2):
         import llama_cpp
 
         self.lib = llama_cpp
@@ -36,9 +38,11 @@ class Reference:
         params.n_batch = params.n_ubatch = n_batch
         params.n_seq_max = sequences
         params.kv_unified = False
+        params.swa_full = False  # llama-server's default: sliding-window layers keep n_swa + n_ubatch cells
         params.n_threads = params.n_threads_batch = threads
         params.flash_attn_type = 1 if flash_attention else 0
-        params.type_k = params.type_v = CACHE_TYPES[cache_type]
+        params.type_k = CACHE_TYPES[cache_type]
+        params.type_v = CACHE_TYPES[value_cache_type or cache_type]
         self.ctx = llama_cpp.llama_init_from_model(self.model, params)
         if not self.ctx:
             llama_cpp.llama_model_free(self.model)
@@ -79,7 +83,8 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def compare_schedule(path: Path, *, flash: bool, cache_type: str, sequences: int, steps: int = 8,
-                     tolerance: float = 1e-4, threads: int = 2, prompts: Sequence[str] = PROMPTS) -> float:
+                     tolerance: float = 1e-4, threads: int = 2, prompts: Sequence[str] = PROMPTS,
+                     value_cache_type: str | None = None) -> float:
     """Ours and llama.cpp on one schedule: the prompts of `sequences` sequences (different lengths) in
     one batch, then `steps` batches decoding one token for each. Every logprob within `tolerance` and
     identical greedy tokens; returns the largest logprob difference seen.
@@ -89,9 +94,10 @@ def compare_schedule(path: Path, *, flash: bool, cache_type: str, sequences: int
     some CPUs: so both engines are fed llama.cpp's split (`equal_shares`), batch for batch."""
     model = load_model(path, num_threads=threads, flash_attention=flash)
     model.backend.load()
-    model.cache.init(model.backend, cache_dtype(cache_type), sequences, 512, 64)
+    model.cache.init(model.backend, cache_dtype(cache_type), sequences, 512, 64,
+                     value_dtype=cache_dtype(value_cache_type or cache_type))
     reference = Reference(path, n_ctx=512, n_batch=64, sequences=sequences, flash_attention=flash,
-                          cache_type=cache_type, threads=threads)
+                          cache_type=cache_type, value_cache_type=value_cache_type, threads=threads)
     worst = 0.0
     try:
         texts = [model.tokenizer.encode(prompt, add_special=True) for prompt in prompts[:sequences]]
@@ -134,3 +140,27 @@ def equal_shares(texts: Sequence[list[int]]) -> list[Batch]:
                              tokens=[texts[s][p] for s, p in rows]))
         done += share
     return batches
+
+
+_KV_REPORT = re.compile(r"llama_kv_cache: size =\s*([\d.]+) MiB \(\s*(\d+) cells,\s*(\d+) layers")
+
+
+def llama_kv_report(path: Path, *, n_ctx: int, n_batch: int, sequences: int = 1, flash_attention: bool = False,
+                    cache_type: str = "f16", value_cache_type: str | None = None) -> list[tuple[float, int, int]]:
+    """llama.cpp's own report of the KV caches it allocates for a context: (MiB, cells, layers) per cache."""
+    import llama_cpp
+    from llama_cpp import _logger
+
+    lines: list[str] = []
+
+    @llama_cpp.llama_log_callback
+    def collect(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+        lines.append(text.decode(errors="replace"))
+
+    llama_cpp.llama_log_set(collect, ctypes.c_void_p(0))
+    try:
+        Reference(path, n_ctx=n_ctx, n_batch=n_batch, sequences=sequences, flash_attention=flash_attention,
+                  cache_type=cache_type, value_cache_type=value_cache_type).close()
+    finally:
+        llama_cpp.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
+    return [(float(m[1]), int(m[2]), int(m[3])) for m in map(_KV_REPORT.search, lines) if m]

@@ -169,16 +169,18 @@ def test_real_gemma3_batched_equals_alone(gemma3_path):
 
 
 def test_real_gemma3_prompt_longer_than_the_window(gemma3_path):
-    """A 530-token prompt in chunks of 256, then greedy decoding: past position 511 the sliding layers
-    no longer see the first positions (ignoring the window moves the logprobs by up to 8.8)."""
-    chunk, n_ctx, n = 256, 1024, 530
+    """A 900-token prompt in chunks of 128, then greedy decoding: past position 511 the sliding layers
+    no longer see the first positions (ignoring the window moves the logprobs by up to 8.8), and past
+    position 767 their ring of 512 + 128 cells (768 once padded, as llama.cpp's) has wrapped."""
+    chunk, n_ctx, n = 128, 2048, 900
     model = load_model(gemma3_path, num_threads=THREADS)
     model.backend.load()
     model.cache.init(model.backend, cache_dtype("f16"), 1, n_ctx, chunk)
+    assert [cache.region for cache in model.cache.caches] == [768, n_ctx]
     reference = Reference(gemma3_path, n_ctx=n_ctx, n_batch=chunk, threads=THREADS)
     try:
         text = " ".join(f"Item {i}: the {('red', 'green', 'blue')[i % 3]} box holds {i * 7 % 50} stones."
-                        for i in range(60))
+                        for i in range(100))
         tokens = model.tokenizer.encode(text, add_special=True)[:n]
         assert len(tokens) == n
         worst, start = 0.0, 0

@@ -29,6 +29,33 @@ def test_real_smollm2_matches_llama_cpp(smollm2_path, cache_type, flash, sequenc
     compare_schedule(smollm2_path, flash=flash, cache_type=cache_type, sequences=sequences)
 
 
+# (key type, value type, flash attention): llama.cpp's -ctk/-ctv (OLLAMA_KV_CACHE_TYPE_K/_V); a quantized V
+# needs flash attention, quantized keys do not
+SEPARATE = [("q8_0", "f16", False), ("q4_0", "f16", False), ("q8_0", "f16", True), ("f16", "q8_0", True),
+            ("q8_0", "q4_0", True)]
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize(("key_type", "value_type", "flash"), SEPARATE,
+                         ids=[f"k-{k}-v-{v}-{'flash' if f else 'matmul'}" for k, v, f in SEPARATE])
+def test_real_smollm2_separate_key_and_value_types_match_llama_cpp(smollm2_path, key_type, value_type, flash):
+    compare_schedule(smollm2_path, flash=flash, cache_type=key_type, value_cache_type=value_type, sequences=2)
+
+
+def test_separate_types_reach_the_cache_and_its_memory_report(smollm2_path):
+    """K q8_0 and V f16 without flash attention: the keys take 34/64 of an f16 cache's bytes, values all."""
+    sizes = {}
+    for key_type, value_type in (("f16", "f16"), ("q8_0", "f16")):
+        params = LoadParams(kv_cache_type="f16", kv_cache_type_k=key_type, kv_cache_type_v=value_type,
+                            kv_size=512, batch_size=64, num_threads=2)
+        loaded = open_model(str(smollm2_path), params, allocate=False)
+        try:
+            sizes[key_type] = sum(loaded.memory.cpu.cache)
+        finally:
+            loaded.close()
+    assert sizes["q8_0"] / sizes["f16"] == pytest.approx((34 / 32 / 2 + 1) / 2, rel=1e-3)
+
+
 @pytest.fixture(scope="module")
 def synthetic(tmp_path_factory):
     folder = tmp_path_factory.mktemp("kv-types")

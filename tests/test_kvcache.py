@@ -159,13 +159,27 @@ def test_store(backend, permuted_v):
 
 @PERMUTED
 def test_swa(backend, permuted_v):
-    cache = new_cache(backend, Causal(window_size=1), permuted_v)
-    assert cache.cells == 16  # the window's memory (1) plus a batch (16), at most the capacity (16)
+    """A sliding-window cache is a ring of memory + batch cells (llama.cpp's n_swa + n_ubatch): position p
+    lands in cell p mod 4, over cells whose positions the next token no longer sees."""
+    cache = new_cache(backend, Causal(window_size=1), permuted_v, max_batch=2)
+    assert cache.cells == 4  # the window and the token (2) plus a batch (2)
     run(
         backend, cache,
-        vector([1, 2, 3, 4], [0] * 4, [0, 1, 2, 3], [1, 2, 3, 4], "0 x x x", "0 0 x x", "x 0 0 x", "x x 0 0"),
+        vector([1, 2], [0, 0], [0, 1], [1, 2], "0 x", "0 0"),
+        vector([3, 4], [0, 0], [2, 3], [2, 3, 4], "0 0 x", "x 0 0"),
         vector([5, 6], [0, 0], [4, 5], [5, 6, 3, 4], "0 x x 0", "0 0 x x"),
+        vector([7], [0], [6], [6, 7], "0 0"),
     )
+
+
+def test_swa_without_a_ring_keeps_every_position(backend):
+    """Memory and a batch as large as the capacity: no ring, nothing overwritten."""
+    cache = new_cache(backend, Causal(window_size=1), False)
+    assert cache.cells == 16
+    run(backend, cache,
+        vector([1, 2, 3, 4], [0] * 4, [0, 1, 2, 3], [1, 2, 3, 4], "0 x x x", "0 0 x x", "x 0 0 x", "x x 0 0"),
+        vector([5, 6], [0, 0], [4, 5], [4, 5, 6], "0 0 x", "x 0 0"))
+    assert cache.can_resume(0, 1)
 
 
 @PERMUTED
@@ -185,12 +199,30 @@ def test_swa_separate_batches(backend, permuted_v):
 
 @PERMUTED
 def test_swa_mem(backend, permuted_v):
-    cache = new_cache(backend, Causal(window_size=1, memory_size=3), permuted_v)
+    """A memory beyond the window keeps older positions until their cells are needed."""
+    cache = new_cache(backend, Causal(window_size=1, memory_size=3), permuted_v, max_batch=2)
+    assert cache.cells == 5
     run(
         backend, cache,
-        vector([1, 2, 3, 4], [0] * 4, [0, 1, 2, 3], [1, 2, 3, 4], "0 x x x", "0 0 x x", "x 0 0 x", "x x 0 0"),
-        vector([5, 6], [0, 0], [4, 5], [5, 2, 3, 4, 6], "0 x x 0 x", "0 x x x 0"),
+        vector([1, 2], [0, 0], [0, 1], [1, 2], "0 x", "0 0"),
+        vector([3, 4], [0, 0], [2, 3], [2, 3, 4], "0 0 x", "x 0 0"),
+        vector([5, 6], [0, 0], [4, 5], [6, 2, 3, 4, 5], "x x x 0 0", "0 x x x 0"),
     )
+    assert cache.can_resume(0, 2) and not cache.can_resume(0, 1)  # position 0 was overwritten
+
+
+def test_ring_head_after_a_cache_hit_and_after_a_shift(backend):
+    """Dropping the tail puts the head after the last position kept (the sequence goes on in the cells a
+    cold run uses); a shift puts it at the first freed cell, as llama.cpp's seq_rm."""
+    cache = new_cache(backend, Causal(add_shift, window_size=1), False, max_batch=2)
+    for p in range(7):
+        store(backend, cache, [p])  # positions 4, 5, 6 in cells 0, 1, 2; 3 in cell 3
+    cache.remove(0, 5)
+    key, _, _, _ = forward(backend, cache, [50.0], (1, 1, 1), [0], [5])
+    assert key.reshape(-1).tolist() == [4.0, 50.0]  # cells 0 and 1: position 5 back in cell 5 mod 4
+    cache.remove(0, 4, 5)  # drop position 4 (cell 0), position 5 moves down to 4 (its key shifted by -1)
+    key, _, _, _ = forward(backend, cache, [60.0], (1, 1, 1), [0], [5])
+    assert key.reshape(-1).tolist() == [60.0, 49.0]  # the new position 5 in the freed cell 0, not in cell 2
 
 
 @PERMUTED
@@ -249,19 +281,21 @@ def store(backend: Backend, cache: Causal, positions: list[int], seq: int = 0) -
 
 @PERMUTED
 def test_can_resume(backend, permuted_v):
-    cache = new_cache(backend, Causal(window_size=4), permuted_v)
+    cache = new_cache(backend, Causal(window_size=4), permuted_v, max_batch=1)
+    assert cache.cells == 6
     store(backend, cache, [0, 1, 2, 3, 4])
-    assert all(cache.can_resume(0, p) for p in range(5))
     store(backend, cache, [5])
+    assert all(cache.can_resume(0, p) for p in range(7))
+    store(backend, cache, [6])  # overwrites position 0
     assert not any(cache.can_resume(0, p) for p in range(5))
-    assert cache.can_resume(0, 5)
+    assert all(cache.can_resume(0, p) for p in (5, 6, 7))
 
 
 @PERMUTED
 def test_can_resume_swa_mem(backend, permuted_v):
-    cache = new_cache(backend, Causal(window_size=4, memory_size=5), permuted_v)
-    store(backend, cache, [0, 1, 2, 3, 4, 5, 6])
-    store(backend, cache, [7])
+    cache = new_cache(backend, Causal(window_size=4, memory_size=5), permuted_v, max_batch=1)
+    for p in range(8):
+        store(backend, cache, [p])
     assert not any(cache.can_resume(0, p) for p in range(6))
     assert cache.can_resume(0, 6) and cache.can_resume(0, 7)
 

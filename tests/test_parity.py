@@ -61,7 +61,7 @@ def reference():
     def open_reference(path: Path, n_batch: int = CONTEXT):
         return llama_cpp.Llama(
             model_path=str(path), n_ctx=CONTEXT, n_batch=n_batch, n_ubatch=n_batch, logits_all=True,
-            verbose=False, n_threads=THREADS, n_threads_batch=THREADS, flash_attn=False,
+            verbose=False, n_threads=THREADS, n_threads_batch=THREADS, flash_attn=False, swa_full=False,
         )
 
     return open_reference

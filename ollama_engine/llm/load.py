@@ -46,6 +46,8 @@ class LoadOptions:
     flash_attention: int = 0  # -1 auto, 0 disabled, 1 enabled
     flash_attention_reason: str = ""  # how the parent chose it (shown by `plan`), not sent
     kv_cache_type: str = ""
+    kv_cache_type_k: str = ""  # the key or the value cache alone, where it differs from kv_cache_type
+    kv_cache_type_v: str = ""
     multi_user_cache: bool = False
     gpu_overhead: int = 0  # OLLAMA_GPU_OVERHEAD
     sched_spread: bool = False  # OLLAMA_SCHED_SPREAD
@@ -56,6 +58,7 @@ class LoadOptions:
             "Operation": int(operation), "LoraPath": None, "Parallel": self.parallel,
             "BatchSize": min(self.batch_size, self.num_ctx), "FlashAttention": self.flash_attention,
             "KvSize": self.num_ctx * self.parallel, "KvCacheType": self.kv_cache_type,
+            "KvCacheTypeK": self.kv_cache_type_k, "KvCacheTypeV": self.kv_cache_type_v,
             "NumThreads": self.num_threads, "GPULayers": gpu_layers.to_json() or None,
             "MultiUserCache": self.multi_user_cache, "ProjectorPath": "", "MainGPU": 0, "UseMmap": False,
         }

@@ -304,6 +304,12 @@ def _why(plan: Plan) -> list[str]:
     return lines
 
 
+def _cache_types(options: LoadOptions) -> str:
+    key = options.kv_cache_type_k or options.kv_cache_type or "f16"
+    value = options.kv_cache_type_v or options.kv_cache_type or "f16"
+    return key if key == value else f"K {key} / V {value}"
+
+
 def plan_text(plan: Plan) -> str:
     options = plan.options
     total, vram = plan.memory.memory_size()
@@ -315,7 +321,7 @@ def plan_text(plan: Plan) -> str:
     lines = [
         f"model    {plan.model}  ({plan.total_layers} layers: {plan.total_layers - 1} repeating + output)",
         f"options  ctx {options.num_ctx} x {options.parallel} parallel, "
-        f"batch {min(options.batch_size, options.num_ctx)}, KV cache {options.kv_cache_type or 'f16'}, "
+        f"batch {min(options.batch_size, options.num_ctx)}, KV cache {_cache_types(options)}, "
         f"flash attention {options.flash_attention_reason or ('on' if options.flash_attention == 1 else 'off')}, "
         f"num_gpu {'auto' if options.num_gpu < 0 else options.num_gpu}",
         f"system   {human_bytes2(plan.system.free_memory)} free of {human_bytes2(plan.system.total_memory)} RAM, "
@@ -352,6 +358,8 @@ def add_plan_command(subparsers: argparse._SubParsersAction) -> None:
     plan.add_argument("--parallel", type=int, default=LoadOptions.parallel, help="sequences served at once")
     plan.add_argument("--batch", type=int, default=LoadOptions.batch_size, help="prompt batch size")
     plan.add_argument("--kv-type", default="", help="KV cache type: f16 (default), q8_0, q4_0")
+    plan.add_argument("--kv-type-k", default="", help="the key cache's type, where it differs from --kv-type")
+    plan.add_argument("--kv-type-v", default="", help="the value cache's type, where it differs from --kv-type")
     plan.add_argument("--flash-attention", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
                       help="auto (default, as serve: on where every GPU supports it), on or off")
     plan.add_argument("--num-gpu", type=int, default=-1, help="layers to offload (default: as many as fit)")
@@ -372,7 +380,8 @@ def run_plan(args: argparse.Namespace) -> int:
     setting = {"auto": None, "on": True, "off": False}[args.flash_attention]
     flash, flash_why = resolve_flash_attention(setting, gpus)
     options = LoadOptions(num_ctx=args.ctx, parallel=args.parallel, batch_size=args.batch, num_gpu=args.num_gpu,
-                          flash_attention=flash, kv_cache_type=args.kv_type, flash_attention_reason=flash_why)
+                          flash_attention=flash, kv_cache_type=args.kv_type, flash_attention_reason=flash_why,
+                          kv_cache_type_k=args.kv_type_k, kv_cache_type_v=args.kv_type_v)
     plan = make_plan(args.model, options, gpus, bool(simulated), system_info())
     if args.svg:
         title = f"{args.model}: {plan.layout.sum()} of {plan.total_layers} layers on GPUs" + (

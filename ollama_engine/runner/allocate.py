@@ -32,6 +32,8 @@ class LoadParams:
     batch_size: int = 512
     kv_size: int = 2048
     kv_cache_type: str = ""
+    kv_cache_type_k: str = ""  # where set, the key or value cache's type instead of kv_cache_type
+    kv_cache_type_v: str = ""
     flash_attention: int = FlashAttention.DISABLED  # -1 auto: on where every device used supports it
     num_threads: int = 0  # 0: the backend's default
     gpu_layers: tuple[GPULayers, ...] = field(default_factory=tuple)
@@ -87,8 +89,9 @@ def open_model(path: str, params: LoadParams, allocate: bool) -> LoadedModel:
             multi_user=params.multi_user_cache, remove_errors=ShiftError, exact=envconfig.exact_cache(),
         )
         if model.cache is not None:
-            model.cache.init(model.backend, cache_dtype(params.kv_cache_type), parallel, input_cache.num_ctx,
-                             batch_size)
+            model.cache.init(model.backend, cache_dtype(params.kv_cache_type_k or params.kv_cache_type), parallel,
+                             input_cache.num_ctx, batch_size,
+                             value_dtype=cache_dtype(params.kv_cache_type_v or params.kv_cache_type))
         decode = min(parallel, batch_size)
         reserve_graph(model, tokens=batch_size, outputs=decode).close()
         reserve_graph(model, tokens=decode, outputs=decode, sequences=decode).close()

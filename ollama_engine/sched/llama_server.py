@@ -107,17 +107,21 @@ class LlamaServer:
     def _load_options(self, gpus: Sequence[DeviceInfo]) -> LoadOptions:
         flash, why = resolve_flash_attention(self.config.flash_attention, tuple(gpus))
         log.info("flash attention %s model=%s", why, self.model_path)
-        kv_cache_type = self.config.kv_cache_type
-        if not flash and kv_cache_type not in ("", "f16"):
+        kv_cache_type, value_type = self.config.kv_cache_type, self.config.kv_cache_type_v
+        if not flash and kv_cache_type not in ("", "f16"):  # as Ollama: the shared type falls back to f16
             log.warning("quantized kv cache requested but flash attention disabled type=%s", kv_cache_type)
             kv_cache_type = ""
+        if not flash and value_type not in ("", "f16"):  # a quantized V needs flash attention; K does not
+            log.warning("quantized V cache requested but flash attention disabled type=%s", value_type)
+            value_type = ""
         assert self.options.num_ctx is not None and self.options.num_batch is not None
         return LoadOptions(
             num_ctx=self.options.num_ctx, parallel=self.num_parallel,
             batch_size=self.options.num_ctx if self.info.embedding else self.options.num_batch,
             num_gpu=self.options.num_gpu if self.options.num_gpu is not None else -1,
             num_threads=max(self.options.num_thread or 0, 0), flash_attention=flash,  # <= 0: the default
-            kv_cache_type=kv_cache_type, gpu_overhead=self.config.gpu_overhead,
+            kv_cache_type=kv_cache_type, kv_cache_type_k=self.config.kv_cache_type_k, kv_cache_type_v=value_type,
+            gpu_overhead=self.config.gpu_overhead,
             sched_spread=self.config.sched_spread,
         )
 
