@@ -21,13 +21,15 @@ class Batch:
     `outputs` lists the batch indices whose hidden states the caller needs (logits or embeddings), so
     the model can drop the other rows before the output layer. `tokens` holds the token ids; it is None
     where the caller feeds the model (or the cache, in tests) something other than tokens.
-    Every array is int32, one dimension.
+    Every array is int32, one dimension. `apart` names sequences whose rows each attend as a one-row
+    decode step would (own segment, history and kernel): speculative decoding verifies drafted tokens so.
     """
 
     positions: np.ndarray
     sequences: np.ndarray
     outputs: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     tokens: np.ndarray | None = None
+    apart: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         positions = _int_vector("positions", self.positions)
