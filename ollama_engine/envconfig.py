@@ -142,6 +142,12 @@ def exact_cache(env: Mapping[str, str] | None = None) -> bool:
     return _bool(os.environ if env is None else env, "OLLAMA_ENGINE_EXACT_CACHE") is not False
 
 
+def spec_ngram(env: Mapping[str, str] | None = None) -> bool:
+    """OLLAMA_ENGINE_SPEC_NGRAM (ours; default off): n-gram speculative decoding for requests whose options do
+    not say (`spec_ngram`). Exact: the same tokens and logprobs as plain decoding (runner/speculate.py)."""
+    return _bool(os.environ if env is None else env, "OLLAMA_ENGINE_SPEC_NGRAM") is True
+
+
 @dataclass
 class EnvConfig:
     """Every setting serve and the scheduler read from the environment."""

@@ -278,6 +278,8 @@ class RunnerServer:
                 done = completion_done(seq.done_reason, seq.num_prompt_inputs, seq.processing_duration,
                                        seq.num_predicted, seq.eval_duration())
                 done["prompt_cached_count"] = cached  # ours: prompt tokens reused from the cache (serve's metrics)
+                if seq.spec is not None:  # ours, llama.cpp's timings names: drafted and accepted tokens
+                    done["draft_n"], done["draft_n_accepted"] = seq.spec.drafted, seq.spec.accepted
                 await response.write(encode(done))
         except ConnectionResetError:
             log.debug("client went away during a completion")

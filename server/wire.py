@@ -18,9 +18,11 @@ from typing import Any
 
 import numpy as np
 
+from ollama_engine import envconfig
 from ollama_engine.ml import BackendMemory, GPULayersList
 from ollama_engine.runner.allocate import LoadParams
 from ollama_engine.runner.sequence import DoneReason, SequenceOptions
+from ollama_engine.runner.speculate import MAX_DRAFT
 from ollama_engine.sample import MAX_TOP_LOGPROBS, Logprob, Sampler
 
 MAX_THREADS = 512  # GGML_MAX_N_THREADS
@@ -319,6 +321,12 @@ class CompletionRequest:
         top_logprobs = _typed(data, "toplogprobs", int, 0)
         if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
             raise WireError(f"TopLogprobs: must be between 0 and {MAX_TOP_LOGPROBS}, got {top_logprobs}")
+        draft_num_predict = _typed(options, "draft_num_predict", int, 0)
+        if not 0 <= draft_num_predict <= MAX_DRAFT:
+            raise WireError(f"draft_num_predict: must be between 0 and {MAX_DRAFT}, got {draft_num_predict}")
+        spec_ngram = options.get("spec_ngram")
+        if spec_ngram is not None and not isinstance(spec_ngram, bool):
+            raise WireError(f"spec_ngram: expected bool, got {spec_ngram!r}")
         try:
             sampler = Sampler.from_options(raw_options)
         except TypeError as err:
@@ -335,6 +343,8 @@ class CompletionRequest:
                 truncate=_typed(data, "truncate", bool, False),
                 logprobs=_typed(data, "logprobs", bool, False),
                 top_logprobs=top_logprobs,
+                spec_ngram=envconfig.spec_ngram() if spec_ngram is None else spec_ngram,
+                draft_num_predict=draft_num_predict,
             ),
         )
 

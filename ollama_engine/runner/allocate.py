@@ -20,6 +20,7 @@ from ollama_engine.ml import BackendMemory, Context, GPULayers, gpu_devices
 from ollama_engine.ml.memory import FlashAttention
 from ollama_engine.models import Model, load_model
 from ollama_engine.runner.cache import InputCache
+from ollama_engine.runner.speculate import verify_rows
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,8 @@ def open_model(path: str, params: LoadParams, allocate: bool) -> LoadedModel:
         decode = min(parallel, batch_size)
         reserve_graph(model, tokens=batch_size, outputs=decode).close()
         reserve_graph(model, tokens=decode, outputs=decode, sequences=decode).close()
+        if (rows := verify_rows(model)) > decode:  # a batch verifying drafts: one output per row
+            reserve_graph(model, tokens=rows, outputs=rows).close()
     except BaseException:
         model.close()
         raise

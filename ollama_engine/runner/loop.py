@@ -31,9 +31,10 @@ import numpy as np
 from ollama_engine.kvcache import Batch
 from ollama_engine.models import Graph
 from ollama_engine.runner.allocate import LoadedModel
-from ollama_engine.runner.cache import ReprocessInputsError
+from ollama_engine.runner.cache import TO_END, ReprocessInputsError
 from ollama_engine.runner.inputs import Input
 from ollama_engine.runner.sequence import DoneReason, Piece, Sequence, SequenceOptions, fit_prompt
+from ollama_engine.runner.speculate import DEFAULT_DRAFT, MAX_DRAFT, Speculator, verify_rows
 from ollama_engine.sample import GrammarError, GrammarVocab, NonFiniteLogitsError, calculate_logprobs
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,8 @@ class BatchState:
     inputs: list[Input] = field(default_factory=list)
     batch: Batch | None = None
     graph: Graph | None = None
+    drafts: dict[int, list[int]] = field(default_factory=dict)
+    """Per sequence index, the drafted tokens it verifies in this batch (after its sampled token)."""
     compute_started: threading.Event = field(default_factory=threading.Event)
 
 
@@ -67,6 +70,8 @@ class Runner:
         self.hold_output: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
         """Wraps a step's sampling: the server may hold the sinks' items and hand them over at once."""
         self.closing = False
+        self.spec_rows = verify_rows(self.model)
+        """Most rows of a batch holding drafts (0: no exact speculation for this model; runner/speculate.py)."""
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self._builder = threading.Thread(target=self._run, name="batch-builder", daemon=True)
 
@@ -92,8 +97,12 @@ class Runner:
         matcher = GrammarVocab.of(self.tokenizer).matcher(grammar) if grammar else None
         inputs = [Input(token=t) for t in self.tokenizer.encode(prompt, add_special=True)]
         inputs, num_keep = fit_prompt(inputs, self.num_ctx, options.num_keep, options.truncate)
-        return Sequence(inputs=inputs, options=options, num_keep=num_keep, num_prompt_inputs=len(inputs),
-                        grammar=matcher)
+        seq = Sequence(inputs=inputs, options=options, num_keep=num_keep, num_prompt_inputs=len(inputs),
+                       grammar=matcher)
+        if options.spec_ngram and self.spec_rows > 1:
+            max_draft = min(options.draft_num_predict or DEFAULT_DRAFT, MAX_DRAFT)
+            seq.spec = Speculator.of([inp.token for inp in inputs], max(max_draft, 1))
+        return seq
 
     def add(self, seq: Sequence, sink: Callable[[Piece | None], None]) -> None:
         """Give the sequence a free place and the cache slot that best matches its prompt."""
@@ -113,6 +122,10 @@ class Runner:
         seq = self.seqs[index]
         assert seq is not None and seq.slot is not None
         self._flush(seq)
+        if seq.spec is not None and seq.spec.drafted:
+            log.info("speculation: %d of %d drafted tokens accepted (%.0f%%) in %d steps, %d tokens generated",
+                     seq.spec.accepted, seq.spec.drafted, 100 * seq.spec.acceptance, seq.spec.steps,
+                     seq.num_predicted)
         seq.done_reason = reason
         seq.slot.in_use = False
         self.seqs[index] = None
@@ -150,7 +163,8 @@ class Runner:
 
     def _form_batch(self) -> BatchState | None:
         with self.cond:
-            while not self.closing and not any(self.seqs):
+            # a speculating sequence has no inputs until its last batch is sampled
+            while not self.closing and not any(s is not None and (s.inputs or s.quit.is_set()) for s in self.seqs):
                 self.cond.wait()
             if self.closing:
                 return None
@@ -159,6 +173,8 @@ class Runner:
             sequences: list[int] = []
             outputs: list[int] = []
             resume: int | None = None
+            apart: set[int] = set()
+            row_cap = self.batch_size  # lowered to spec_rows once the batch holds drafts
             count = len(self.seqs)
             for k in range(count):
                 index = (self.next_seq + k) % count
@@ -173,16 +189,22 @@ class Runner:
                 assert slot is not None
                 if not self.cache.enabled:  # no KV cache: the whole history goes into every batch
                     seq.inputs, slot.inputs = slot.inputs + seq.inputs, []
-                if state.inputs and len(state.inputs) + self._chunk_length(seq) > self.batch_size:
+                drafts = self._fit_drafts(seq, len(state.inputs))
+                length = len(seq.inputs) if drafts else self._chunk_length(seq)
+                if state.inputs and len(state.inputs) + length > row_cap:
                     if resume is None:
                         resume = index  # its whole chunk goes first next time
                     continue
+                if drafts:
+                    row_cap = self.spec_rows
+                    apart.add(slot.id)
+                    state.drafts[index] = drafts
                 limit = self.batch_size
                 cap = self.cache.chunk_limit(len(slot.inputs) + len(seq.pending_inputs))
                 for i, inp in enumerate(seq.inputs):
                     needed = 1 + inp.same_batch
                     limit = max(limit, needed)  # a group larger than a batch gets a batch of its own
-                    if len(state.inputs) + needed > limit or (i + needed > cap and i > 0):
+                    if len(state.inputs) + needed > limit or (i + needed > cap and i > 0 and not drafts):
                         if not seq.pending_inputs and resume is None:
                             resume = index  # start there next time, so it does not starve
                         break
@@ -202,8 +224,9 @@ class Runner:
                     state.inputs.append(inp)
                     positions.append(len(slot.inputs) + len(seq.pending_inputs))
                     sequences.append(slot.id)
-                    seq.batch_row = len(outputs)
-                    if i + 1 == len(seq.inputs):
+                    if i == 0 or not drafts:
+                        seq.batch_row = len(outputs)
+                    if i + 1 == len(seq.inputs) or drafts:  # a verified row: its logits too
                         outputs.append(len(state.inputs) - 1)
                     seq.pending_inputs.append(inp)
                 seq.inputs = seq.inputs[len(seq.pending_inputs):]
@@ -216,7 +239,8 @@ class Runner:
                 state.compute_started.set()
                 return state
             tokens = np.zeros(len(state.inputs), dtype=np.int32)  # filled in when the batch computes
-            state.batch = Batch(positions=positions, sequences=sequences, outputs=outputs, tokens=tokens)
+            state.batch = Batch(positions=positions, sequences=sequences, outputs=outputs, tokens=tokens,
+                                apart=frozenset(apart))
             state.graph = self.model.graphs.acquire(state.batch)
             return state
 
@@ -250,7 +274,8 @@ class Runner:
                 for index, (placeholder, row) in placeholders.items():
                     seq = self.seqs[index]
                     if seq is not None and seq is state.seqs[index]:
-                        self._sample(index, seq, placeholder, logits[row], now)
+                        self._step(index, seq, placeholder, logits, row, state.drafts.get(index, []), now)
+                self.cond.notify()  # a speculating sequence may have its next inputs now
                 sampling = time.monotonic() - now
                 for index in placeholders:
                     seq = self.seqs[index]
@@ -260,13 +285,14 @@ class Runner:
             state.compute_started.set()
             self.model.graphs.release(state.graph)
 
-    def _advance(self, state: BatchState) -> dict[int, tuple[Input, int]]:
+    def _advance(self, state: BatchState) -> dict[int, tuple[Input | None, int]]:
         """Fill in the batch's token ids, record its inputs in the slots, queue a placeholder per sampler.
 
-        Returns, per sequence index, the placeholder and the sequence's row in this batch's logits (read
-        now: forming the next batch overwrites it).
+        Returns, per sequence index, the placeholder and the sequence's (first) row in this batch's logits
+        (read now: forming the next batch overwrites it). A speculating sequence gets no placeholder (None):
+        its next inputs, the token and new drafts, come from sampling this batch.
         """
-        placeholders: dict[int, tuple[Input, int]] = {}
+        placeholders: dict[int, tuple[Input | None, int]] = {}
         with self.cond:
             state.batch.tokens[:] = [inp.token for inp in state.inputs]
             for index, seq in enumerate(self.seqs):
@@ -276,18 +302,79 @@ class Runner:
                 if self.cache.exact and seq.pending_inputs:
                     rows = np.flatnonzero(state.batch.sequences == seq.slot.id)
                     self.cache.record_rows(seq.slot, len(seq.slot.inputs), rows.tolist(), len(state.batch))
+                    if index in state.drafts:  # generated, never a cold run's: not reused as a prompt
+                        del seq.slot.kernels[len(seq.slot.inputs):]
                 seq.slot.inputs.extend(seq.pending_inputs)
                 seq.pending_inputs = []
                 if seq.inputs:  # still evaluating the prompt
                     if not self.cache.enabled:
                         raise RuntimeError("caching disabled but unable to fit entire input in a batch")
                     continue
+                if seq.spec is not None and (seq.spec.want or index in state.drafts):
+                    seq.spec.waiting = True
+                    placeholders[index] = (None, seq.batch_row)
+                    continue
                 placeholder = Input()
                 placeholders[index] = (placeholder, seq.batch_row)
                 seq.inputs = [placeholder]
         return placeholders
 
-    def _sample(self, index: int, seq: Sequence, placeholder: Input, logits: np.ndarray, now: float) -> None:
+    # ------------------------------------------------------------ speculation (runner/speculate.py)
+
+    def _fit_drafts(self, seq: Sequence, rows: int) -> list[int]:
+        """The drafts seq's next inputs carry, cut so that the batch (`rows` so far) stays within spec_rows."""
+        if seq.spec is None or seq.num_predicted == 0 or len(seq.inputs) < 2:
+            return []  # nothing drafted (a prompt's groups are images)
+        keep = max(min(len(seq.inputs), self.spec_rows - rows), 1)
+        del seq.inputs[keep:]
+        seq.inputs[0].same_batch = keep - 1
+        return [inp.token for inp in seq.inputs[1:]]
+
+    def _step(self, index: int, seq: Sequence, placeholder: Input | None, logits: np.ndarray, row: int,
+              drafts: list[int], now: float) -> None:
+        """Sample the sequence's rows in order, keeping each draft the sampler picks itself; roll back the rest."""
+        slot, spec = seq.slot, seq.spec
+        assert slot is not None
+        if drafts:
+            base = len(slot.inputs) - len(drafts)  # slot.inputs ends with the sampled token and the drafts
+            slot.inputs[base - 1].same_batch = 0  # computed: a shift may drop these inputs one by one
+            verified = slot.inputs[base:]
+            del slot.inputs[base:]
+        accepted = 0
+        token = self._sample(index, seq, placeholder if not drafts else None, logits[row], now)
+        while token is not None and accepted < len(drafts) and token == drafts[accepted]:
+            slot.inputs.append(verified[accepted])
+            accepted += 1
+            token = self._sample(index, seq, None, logits[row + accepted], now)
+        if drafts:
+            spec.record(len(drafts), accepted)
+            if accepted < len(drafts):
+                self.cache.kv_cache.remove(slot.id, base + accepted, TO_END)
+        if token is None or spec is None:
+            return
+        limit = min(self.spec_rows - 1, self.num_ctx - len(slot.inputs) - 1)
+        if seq.options.num_predict > 0:
+            limit = min(limit, seq.options.num_predict - seq.num_predicted - 1)
+        proposed = self._checked(seq, spec.propose(limit))
+        if not spec.waiting:
+            return
+        spec.waiting = False
+        first = Input(token=token, same_batch=len(proposed))
+        seq.inputs = [first] + [Input(token=t) for t in proposed]
+
+    def _checked(self, seq: Sequence, drafts: list[int]) -> list[int]:
+        """Drafts up to the first end-of-generation token or the first one the grammar rejects."""
+        for i, token in enumerate(drafts):
+            if self.tokenizer.is_eog(token):
+                drafts = drafts[:i]
+                break
+        if seq.grammar is not None and drafts:
+            drafts = drafts[:seq.grammar.valid_prefix(drafts)]
+        return drafts
+
+    def _sample(self, index: int, seq: Sequence, placeholder: Input | None, logits: np.ndarray,
+                now: float) -> int | None:
+        """Sample, emit and check one token; it, or None once the sequence has ended."""
         seq.last_updated_at = now
         seq.num_predicted += 1
         if seq.num_predicted == 1:
@@ -297,16 +384,19 @@ class Runner:
         grammar = seq.grammar
         try:
             token = grammar.sample(seq.options.sampler, logits) if grammar else seq.options.sampler.sample(logits)
-            placeholder.token = token  # the next batch may already hold this input
+            if placeholder is not None:
+                placeholder.token = token  # the next batch may already hold this input
             if self.tokenizer.is_eog(token):
                 self._remove(index, DoneReason.STOP)
-                return
+                return None
             if grammar is not None:
                 grammar.accept(token)
         except (GrammarError, NonFiniteLogitsError) as err:  # ends this sequence only
             seq.error = str(err)
             self._remove(index, DoneReason.STOP)
-            return
+            return None
+        if seq.spec is not None:
+            seq.spec.index.append(token)
         piece = self.tokenizer.token_piece(token)
         logprobs = []
         if seq.options.logprobs:
@@ -316,7 +406,7 @@ class Runner:
         complete = grammar is not None and grammar.finished  # nothing may follow but end-of-generation
         if not complete and 0 < seq.options.num_predict <= seq.num_predicted:
             self._remove(index, DoneReason.LENGTH)
-            return
+            return None
         cut = seq.output.cut_at_stop()
         if cut is not None:
             # forget the cut tokens, so a later prompt that continues the text does not match them
@@ -327,14 +417,16 @@ class Runner:
                 keep -= 1
             del slot.inputs[max(keep, 0):]
             self._remove(index, DoneReason.STOP)
-            return
+            return None
         if complete:
             self._remove(index, DoneReason.STOP)
-            return
+            return None
         if seq.output.must_hold():
-            return
+            return token
         if not self._flush(seq):
             self._remove(index, DoneReason.CONNECTION_CLOSED)
+            return None
+        return token
 
     def _token_text(self, token: int) -> str:
         return self.tokenizer.token_piece(token).decode("utf-8", errors="replace")

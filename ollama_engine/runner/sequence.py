@@ -16,6 +16,7 @@ from enum import IntEnum
 
 from ollama_engine.runner.cache import InputCacheSlot
 from ollama_engine.runner.inputs import Input
+from ollama_engine.runner.speculate import Speculator
 from ollama_engine.runner.text import PendingOutput
 from ollama_engine.sample import GrammarMatcher, Logprob, Sampler
 
@@ -55,6 +56,8 @@ class SequenceOptions:
     truncate: bool = True  # cut an overlong prompt, instead of rejecting it
     logprobs: bool = False
     top_logprobs: int = 0
+    spec_ngram: bool = False  # draft from the sequence's own text (runner/speculate.py)
+    draft_num_predict: int = 0  # most tokens drafted per step; 0: the default
 
 
 @dataclass(eq=False)
@@ -79,6 +82,8 @@ class Sequence:
     """Constrains the sampled tokens (the request's Grammar); None: unconstrained."""
     error: str | None = None
     """Why the sequence failed part-way (its grammar reached an error); the stream ends without a result."""
+    spec: Speculator | None = None
+    """Its n-gram speculation, if the request asked for it and the model allows it exactly."""
 
     # metrics, from time.monotonic()
     started_at: float | None = None

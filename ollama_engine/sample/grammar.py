@@ -141,6 +141,10 @@ class GrammarMatcher:
             return self._matcher.is_accepting()
         return self._matcher.validate_tokens([token]) == 1
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of these tokens (none end-of-generation) the grammar would accept in turn; nothing is consumed."""
+        return self._matcher.validate_tokens(tokens)
+
     def allowed(self) -> np.ndarray:
         """One boolean per token of the vocabulary: may it come next?"""
         self._fill_mask(self._matcher, self._mask)
@@ -162,7 +166,7 @@ class GrammarMatcher:
         ids = np.flatnonzero(self.allowed()[: logits.shape[0]])  # ids past the tokenizer's vocabulary: never
         if ids.size == 0:
             raise GrammarError("grammar: no token can continue the output")
-        return int(ids[sampler.sample(logits[ids])])
+        return int(ids[sampler.sample(logits[ids], ids)])
 
     def accept(self, token: int) -> None:
         """Advance past a token that is not end-of-generation; GrammarError if the grammar cannot take it."""

@@ -1,0 +1,184 @@
+"""N-gram speculative decoding gives exactly the tokens and logprobs of plain decoding, on real weights.
+
+Each case runs the same requests through a runner twice, without and with `spec_ngram`, and compares every
+token and logprob (and the top alternatives) for equality, not closeness: the verified rows must compute
+what one-row decode steps compute (runner/speculate.py). Each case also checks that drafts were accepted,
+so that a speculation that silently never happens cannot pass. Prompts ask to copy text, so the output
+repeats the prompt and the drafts are mostly right, but not always (rejections and rollbacks happen too).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ollama_engine.runner.allocate import LoadParams, open_model
+from ollama_engine.runner.loop import Runner
+from ollama_engine.runner.sequence import DoneReason, SequenceOptions
+from ollama_engine.runner.speculate import NgramIndex, Speculator, verify_rows
+from ollama_engine.sample import Sampler, format_grammar
+from ollama_engine.sample.grammar_text import GRAMMAR_JSON
+
+TEXT = ("The lighthouse stood on a rock at the mouth of the bay. Every night the keeper climbed the hundred "
+        "and twelve steps, trimmed the wick, wound the clockwork and watched the beam sweep across the water. "
+        "Ships passed in the dark, and none of them ever knew his name.")
+COPY = f"<|im_start|>user\nCopy this text exactly:\n{TEXT}<|im_end|>\n<|im_start|>assistant\n"
+JSON_PROMPT = f"<|im_start|>user\nWrite {TEXT!r} as a JSON object with a key text.<|im_end|>\n<|im_start|>assistant\n"
+OTHERS = ["Once upon a time there was a cat", "List the planets of the solar system:", COPY.replace("exactly", "")]
+
+
+class Run:
+    """One completion through the batch loop: its logprobs, done reason and speculation record."""
+
+    def __init__(self, runner: Runner, prompt: str, spec: bool, grammar: str = "", **options: Any) -> None:
+        done, self.entries = threading.Event(), []
+
+        def sink(piece) -> None:
+            if piece is None:
+                done.set()
+            else:
+                self.entries.extend(piece.logprobs)
+
+        options.setdefault("sampler", Sampler(temperature=0))
+        seq_options = SequenceOptions(logprobs=True, top_logprobs=3, spec_ngram=spec, **options)
+        self.seq = runner.new_sequence(prompt, seq_options, grammar)
+        runner.add(self.seq, sink)
+        assert done.wait(300), "the completion did not finish"
+        assert self.seq.error is None, self.seq.error
+
+    @property
+    def logprobs(self) -> list[tuple]:
+        return [(e["token"], e["logprob"], tuple((t["token"], t["logprob"]) for t in e["top_logprobs"]))
+                for e in self.entries]
+
+    @property
+    def text(self) -> str:
+        return "".join(e["token"] for e in self.entries)
+
+
+def open_runner(path: Path, parallel: int = 1, kv_size: int = 2048, flash: bool = True) -> tuple[Runner, Any]:
+    params = LoadParams(parallel=parallel, batch_size=64, kv_size=kv_size, num_threads=2, flash_attention=int(flash))
+    loaded = open_model(str(path), params, allocate=True)
+    loaded.model.backend.load()
+    runner = Runner(loaded, lambda err: pytest.fail(f"runner failed: {err}"))
+    runner.start()
+    return runner, loaded
+
+
+@pytest.fixture(scope="module", params=["smollm2", "gemma3"])
+def model(request, smollm2_path: Path, gemma3_path: Path) -> Path:
+    return {"smollm2": smollm2_path, "gemma3": gemma3_path}[request.param]
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["flash", "matmul"])
+def runner(request, model):
+    runner, loaded = open_runner(model, parallel=3, flash=request.param)
+    yield runner
+    runner.close()
+    loaded.close()
+
+
+def assert_accepted(*runs: Run) -> None:
+    spec = [run.seq.spec for run in runs]
+    assert all(s is not None for s in spec)
+    assert sum(s.accepted for s in spec) > 0, "no draft was accepted: speculation did not happen"
+
+
+# ---------------------------------------------------------------- units
+
+
+def test_ngram_lookup_proposes_what_followed_the_latest_match():
+    index = NgramIndex([1, 2, 3, 4, 5, 9, 2, 3, 4, 6, 7])
+    index.append(2)
+    index.append(3)
+    assert index.draft(3) == [4, 6, 7]  # the latest (2, 3) is followed by 4, 6, 7
+    index.append(8)
+    assert index.draft(3) == []
+
+
+def test_low_acceptance_pauses_speculation():
+    spec = Speculator.of([1, 2, 1, 2, 1], max_draft=4)
+    assert spec.propose(4) == [2, 1]
+    for _ in range(4):  # a moving average: a few misses in a row
+        spec.record(4, 0)
+    assert spec.propose(4) == [] and not spec.want  # paused
+    spec.record(4, 4)
+    assert spec.acceptance == 4 / 20
+
+
+def test_verify_rows_follow_the_kernels(runner):
+    """Repacked weights (Gemma's Q4_K on x86/ARM) allow 3 rows; SmolLM2's Q4_1/Q8_0 are never repacked."""
+    backend = runner.model.backend
+    assert verify_rows(runner.model) == (3 if backend.repacked_weights() else 7)
+
+
+# ---------------------------------------------------------------- exactness
+
+
+def test_greedy_alone(runner):
+    plain = Run(runner, COPY, False, num_predict=60)
+    spec = Run(runner, COPY, True, num_predict=60)
+    assert spec.logprobs == plain.logprobs
+    assert spec.seq.done_reason == plain.seq.done_reason
+    assert_accepted(spec)
+
+
+def test_greedy_batched_with_other_sequences(runner):
+    """Three sequences at once, each speculating, against each alone without speculation."""
+    prompts = [COPY, *OTHERS[:2]]
+    alone = [Run(runner, p, False, num_predict=40) for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(lambda p: Run(runner, p, True, num_predict=40), prompts))
+    for a, b in zip(alone, together, strict=True):
+        assert b.logprobs == a.logprobs
+    assert_accepted(*together)
+
+
+def test_greedy_with_a_json_grammar(runner):
+    plain = Run(runner, JSON_PROMPT, False, GRAMMAR_JSON, num_predict=80)
+    spec = Run(runner, JSON_PROMPT, True, GRAMMAR_JSON, num_predict=80)
+    assert spec.logprobs == plain.logprobs
+    assert spec.text.lstrip().startswith("{")
+    assert_accepted(spec)
+
+
+def test_greedy_with_a_schema_while_others_run(runner):
+    schema = format_grammar({"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]})
+    plain = Run(runner, JSON_PROMPT, False, schema, num_predict=80)
+    with ThreadPoolExecutor(2) as pool:
+        other = pool.submit(Run, runner, OTHERS[2], True, num_predict=40)
+        spec = Run(runner, JSON_PROMPT, True, schema, num_predict=80)
+        other.result()
+    assert spec.logprobs == plain.logprobs
+    assert_accepted(spec)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_sampled_draws_the_same_tokens(runner, seed):
+    """With a point-mass draft, rejection sampling is: draw as usual, keep the draft iff it was drawn. One draw
+    per generated token, in order, so a seeded request gives plain decoding's tokens: the output distribution is
+    the target's (a stronger check than a statistical one)."""
+    def sampled(spec: bool) -> Run:
+        return Run(runner, COPY, spec, sampler=Sampler(temperature=0.7, top_k=40, top_p=0.95, seed=seed),
+                   num_predict=50)
+    plain, spec = sampled(False), sampled(True)
+    assert spec.logprobs == plain.logprobs
+    assert_accepted(spec)
+
+
+def test_through_a_context_shift(model):
+    """A 160-token context: the copy overflows it, the slot shifts (the drafts never cause a shift of their own)."""
+    runner, loaded = open_runner(model, parallel=1, kv_size=160)
+    try:
+        plain = Run(runner, COPY, False, num_predict=150)
+        spec = Run(runner, COPY, True, num_predict=150)
+    finally:
+        runner.close()
+        loaded.close()
+    assert len(plain.entries) == 150 and plain.seq.done_reason == DoneReason.LENGTH
+    assert spec.logprobs == plain.logprobs
+    assert_accepted(spec)
