@@ -92,11 +92,11 @@ class Lfm2(Model):
             bind(AttentionLayer if self.kv_heads[i] else ConvLayer, backend, f"blk.{i}.") for i in range(self.blocks)]
         self.dense = {i: bind(Dense, backend, f"blk.{i}.") for i in range(self.blocks) if self.is_dense(i)}
         conv_state = (self.l_cache - 1) * self.hidden
-        # with attention.sliding_window every attention layer slides (llama.cpp's iswa graph); the window is a
-        # mask over every position kept, as gemma2's (llama.cpp's n_swa counts the token itself)
-        sliding = {"window_size": max(window - 1, 1), "memory_size": max(window, c.get_uint("context_length", 0))}
+        # with attention.sliding_window every attention layer slides (llama.cpp's iswa graph), in a ring of
+        # n_swa + batch cells as gemma2's (llama.cpp's n_swa counts the token itself)
+        sliding = {"window_size": max(window - 1, 1)} if window else {}
         self.cache = Recurrent(self.shift, {i: (conv_state,) for i in range(self.blocks) if not self.kv_heads[i]},
-                               **(sliding if window else {}))
+                               **sliding)
 
     def is_dense(self, layer: int) -> bool:
         """Whether the layer's FFN is a plain SwiGLU (every layer's, in lfm2)."""

@@ -59,9 +59,8 @@ class Olmo2(Llama):
         self.rope_options = self.global_rope()
         if self.window:
             # As gemma2's: llama.cpp's n_swa counts the token itself, Causal's window the positions before
-            # it; the sliding cache keeps every position (llama.cpp's default swa_full) and masks the rest.
-            sliding = Causal(self.shift, window_size=max(self.window - 1, 1),
-                             memory_size=max(self.window, self.config.get_uint("context_length", 0)))
+            # it; sliding layers keep a ring of n_swa + batch cells, as llama.cpp's default (swa_full off).
+            sliding = Causal(self.shift, window_size=max(self.window - 1, 1))
             self.cache = Wrapper(sliding, Causal(self.shift))
 
     def global_rope(self) -> RopeOptions:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from llama_reference import compare_schedule
 from memory_checks import fitted_then_allocated
 
 from ollama_engine import diff
@@ -98,3 +99,17 @@ def test_diff_finds_every_tensor_equal_to_llama_cpps(synthetic):
     assert all(t.max_abs == 0 for t in result.tensors), [t for t in result.tensors if t.max_abs != 0]
     assert {"Qcur-0", "Kcur-2", "kqv_out-1", "attn_post_norm-2", "l_out-2", "result_output"} <= {
         t.name for t in result.tensors}
+
+
+@pytest.mark.reference
+def test_sliding_layers_match_llama_cpp_after_their_ring_wraps(synthetic):
+    """Two sequences decoding 260 steps: the sliding layers' rings (window 8 + batch 64 cells, padded to 256)
+    wrap around, as llama.cpp's do; every logprob within 1e-4 of llama.cpp's and the same greedy tokens."""
+    model = load_model(synthetic(weight_type="Q8_0"), allocate=False)
+    try:
+        model.cache.init(model.backend, cache_dtype("f16"), 2, 512, 64)
+        assert model.cache.caches[0].region == 256  # the sliding layers' ring, which 270 positions wrap
+    finally:
+        model.close()
+    assert compare_schedule(synthetic(weight_type="Q8_0"), flash=False, cache_type="f16", sequences=2, steps=260,
+                            threads=1) < 1e-4
