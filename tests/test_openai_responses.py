@@ -80,7 +80,7 @@ def server(tmp_path_factory, smollm2_path: Path) -> Iterator[str]:
     import ollama
 
     root = tmp_path_factory.mktemp("responses")
-    with serve_process(root / "models") as url:
+    with serve_process(root / "models", OLLAMA_NUM_PARALLEL="4") as url:  # 4 slots: the 50 calls run 4 at a time
         client = ollama.Client(host=url)
         blob = client.create_blob(smollm2_path)
         client.create(model="smollm2", files={"smollm2.gguf": blob})
@@ -211,18 +211,21 @@ def test_store_is_bounded_by_count_and_bytes():
 
 
 def test_named_tool_choice_validates_50_of_50_at_temperature_1(client: openai.OpenAI):
+    from concurrent.futures import ThreadPoolExecutor
+
     choice = {"type": "function", "function": {"name": "get_weather"}}
-    valid = 0
-    for seed in range(50):
+
+    def call(seed: int) -> tuple[list[Any], str | None]:
         out = client.chat.completions.create(model="smollm2-tools", messages=[{"role": "user", "content": ASK}],
                                              tools=CHAT_TOOLS, tool_choice=choice, temperature=1, seed=seed,
                                              max_tokens=64)
-        calls = out.choices[0].message.tool_calls or []
-        if len(calls) == 1 and calls[0].function.name == "get_weather" \
-                and valid_weather(json.loads(calls[0].function.arguments)):
-            valid += 1
-            assert out.choices[0].finish_reason == "tool_calls"
-    assert valid == 50
+        return out.choices[0].message.tool_calls or [], out.choices[0].finish_reason
+
+    with ThreadPoolExecutor(4) as pool:  # batched by the runner's 4 slots
+        results = list(pool.map(call, range(50)))
+    valid = [len(calls) == 1 and calls[0].function.name == "get_weather" and reason == "tool_calls"
+             and valid_weather(json.loads(calls[0].function.arguments)) for calls, reason in results]
+    assert sum(valid) == 50, [r for r, ok in zip(results, valid, strict=True) if not ok][:3]
 
 
 def test_tool_choice_none_and_required(client: openai.OpenAI):
@@ -333,3 +336,50 @@ def test_cached_tokens_reported_on_a_prompt_cache_hit(client: openai.OpenAI):
     second = client.chat.completions.create(model="smollm2", messages=messages, temperature=0, max_tokens=2)
     details = second.usage.prompt_tokens_details
     assert details is not None and 0 < details.cached_tokens < second.usage.prompt_tokens
+
+
+def test_logit_bias_forces_and_bans_tokens(client: openai.OpenAI, server: str, smollm2_path: Path):
+    from ollama_engine.api.catalog import GGUFView
+
+    tokenizer = GGUFView(smollm2_path).tokenizer
+    messages = [{"role": "user", "content": ASK}]
+    forced = tokenizer.encode(" banana", add_special=False)[0]
+    out = client.chat.completions.create(model="smollm2", messages=messages, temperature=0, max_tokens=3,
+                                         logit_bias={str(forced): 100})
+    assert out.choices[0].message.content == tokenizer.decode([forced]) * 3
+    base = client.chat.completions.create(model="smollm2", messages=messages, temperature=0, max_tokens=3,
+                                          logprobs=True)
+    first = base.choices[0].logprobs.content[0].token
+    [first_id] = tokenizer.encode(first, add_special=False)
+    banned = client.chat.completions.create(model="smollm2", messages=messages, temperature=0, max_tokens=3,
+                                            logprobs=True, logit_bias={str(first_id): -100})
+    assert banned.choices[0].logprobs.content[0].token != first
+    # under a grammar: "banana" is refused where JSON syntax is due (the draw among allowed tokens keeps the
+    # bias on the right ids) and chosen inside the string
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+    constrained = client.chat.completions.create(
+        model="smollm2", messages=messages, temperature=0, max_tokens=8, logit_bias={str(forced): 100},
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+    content = constrained.choices[0].message.content
+    assert content.startswith('{') and content.count("banana") >= 3
+    for bad in ({"x": 1}, {"1": 101}, {"99999999": 1}):
+        response = post(server, "/v1/chat/completions", {"model": "smollm2", "messages": messages, "logit_bias": bad})
+        assert response.status_code == 400, bad
+
+
+def test_sampler_logit_bias_on_the_whole_vocabulary_and_a_subset():
+    import numpy as np
+
+    from ollama_engine.sample import Sampler
+
+    logits = np.array([0.0, 1.0, 2.0, 3.0, 4.0], dtype=np.float32)
+    greedy = Sampler(temperature=0, logit_bias={"1": 100, "9": 100})  # an id past the rows is ignored
+    assert greedy.sample(logits) == 1
+    assert greedy.sample(logits[[0, 1, 3]], np.array([0, 1, 3])) == 1  # a subset: the bias follows the ids
+    assert greedy.sample(logits[[0, 3]], np.array([0, 3])) == 1  # id 1 absent: index 1 is id 3, the largest
+    banned = Sampler.from_options({"temperature": 1.0, "seed": 3, "top_k": 0, "top_p": 1.0,
+                                   "logit_bias": {"4": -100, "3": -100}})
+    assert {banned.sample(logits) for _ in range(200)} == {0, 1, 2}
+    assert logits.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]  # read, never modified
+    with pytest.raises(TypeError):
+        Sampler(logit_bias={"x": 1})

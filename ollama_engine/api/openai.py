@@ -74,11 +74,39 @@ def sampling_options(body: Mapping[str, Any], top_p_zero_is_one: bool = False) -
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
             raise ApiError(400, f"invalid type for 'stop' field: {type(stop).__name__}")
         options["stop"] = stop
+    if body.get("logit_bias") is not None:
+        options["logit_bias"] = logit_bias(body["logit_bias"])
     temperature = body.get("temperature")
     options["temperature"] = 1.0 if temperature is None else temperature
     top_p = body.get("top_p")
     options["top_p"] = 1.0 if top_p is None or (top_p_zero_is_one and top_p == 0) else top_p
     return options
+
+
+def logit_bias(value: Any) -> dict[str, float]:
+    """OpenAI's logit_bias: token ids (as strings) to a value from -100 to 100, added to the token's logit by
+    the runner's sampler (-100 bans a token, 100 all but forces it)."""
+    if not isinstance(value, dict):
+        raise ApiError(400, "Invalid type for 'logit_bias': expected an object.")
+    out = {}
+    for key, bias in value.items():
+        if not key.isdigit():
+            raise ApiError(400, f"Invalid key in 'logit_bias': {key!r} is not a token id.")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise ApiError(400, f"Invalid value in 'logit_bias' for {key}: must be a number from -100 to 100.")
+        out[str(int(key))] = float(bias)
+    return out
+
+
+async def check_bias_ids(entry: Entry, sampling: Mapping[str, Any]) -> None:
+    """A 400 for a logit_bias token id outside the model's vocabulary."""
+    bias = sampling.get("logit_bias")
+    if bias:
+        tokenizer = await asyncio.to_thread(lambda: entry.view.tokenizer)
+        size = len(tokenizer.vocab.tokens)
+        bad = next((k for k in bias if int(k) >= size), None)
+        if bad is not None:
+            raise ApiError(400, f"Invalid key in 'logit_bias': {bad}. The model's vocabulary has {size} tokens.")
 
 
 def max_token_count(key: str, value: Any) -> int:
@@ -213,7 +241,7 @@ def apply_tools(native: dict[str, Any], tools: Any, choice: Any) -> ToolPlan:
 def reasoning_think(effort: Any) -> bool | str | None:
     if effort is None:
         return None
-    if effort not in REASONING:
+    if not isinstance(effort, str) or effort not in REASONING:
         raise ApiError(400, f"invalid reasoning value: '{effort}' (must be one of {', '.join(REASONING)})")
     return REASONING[effort]
 
@@ -224,7 +252,9 @@ def chat_request(body: Mapping[str, Any]) -> tuple[dict[str, Any], ToolPlan]:
                               "options": sampling_options(body), "stream": bool(body.get("stream"))}
     native["format"] = response_format(body.get("response_format"))
     plan = apply_tools(native, body.get("tools"), body.get("tool_choice"))
-    think = reasoning_think(body.get("reasoning_effort") or (body.get("reasoning") or {}).get("effort"))
+    reasoning = body.get("reasoning")
+    think = reasoning_think(body.get("reasoning_effort")
+                            or (reasoning.get("effort") if isinstance(reasoning, dict) else None))
     if think is not None:
         native["think"] = think
     if body.get("logprobs"):
@@ -377,6 +407,7 @@ class OpenAIRoutes:
             n = choice_count(body)
             entry, job, state = await self.chat.prepare_chat(native)
             assert job is not None  # messages are never empty here
+            await check_bias_ids(entry, job.sampling)
         except ApiError as err:
             return openai_error(err)
         max_calls = None if body.get("parallel_tool_calls") is not False else 1
@@ -471,6 +502,7 @@ class OpenAIRoutes:
             entry, job, state = await self.chat.prepare_generate(native)
             if job is None:
                 raise ApiError(400, "prompt is required")
+            await check_bias_ids(entry, job.sampling)
         except ApiError as err:
             return openai_error(err)
         chunks = self.chat.generate_chunks(job, state["think"])

@@ -195,7 +195,9 @@ def text_format(text: Any) -> Any:
     """`text.format` as the native `format`."""
     if text is None:
         return None
-    fmt = text.get("format") if isinstance(text, dict) else None
+    if not isinstance(text, dict):
+        raise ApiError(400, "Invalid type for 'text': expected an object.")
+    fmt = text.get("format")
     if fmt is None:
         return None
     if not isinstance(fmt, dict):
@@ -282,6 +284,9 @@ class ResponsesRoutes:
         if reasoning is not None and not isinstance(reasoning, dict):
             raise ApiError(400, "Invalid type for 'reasoning': expected an object.")
         effort = (reasoning or {}).get("effort")
+        metadata = body.get("metadata")
+        if metadata is not None and not isinstance(metadata, dict):
+            raise ApiError(400, "Invalid type for 'metadata': expected an object.")
         think = reasoning_think(effort)
         if think is not None:
             native["think"] = think
@@ -295,7 +300,7 @@ class ResponsesRoutes:
             "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
             "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
             "top_p": native["options"]["top_p"], "truncation": "disabled", "usage": None, "user": None,
-            "metadata": body.get("metadata") or {},
+            "metadata": metadata or {},
         }
         return native, response, conversation
 

@@ -2,6 +2,7 @@
 
 Temperature 0 is greedy. Otherwise the chain is top-k, temperature, softmax, top-p, min-p and a
 weighted draw from a per-request random generator, so a fixed seed reproduces a run exactly.
+A `logit_bias` (OpenAI's: token id → value added to its logit) applies first, to greedy choice as well.
 Repeat/presence/frequency penalties and typical_p are ignored, as in Ollama's engine.
 """
 
@@ -58,6 +59,7 @@ class Sampler:
         top_p: float = DEFAULT_TOP_P,
         min_p: float = DEFAULT_MIN_P,
         seed: int | None = RANDOM_SEED,
+        logit_bias: Mapping[Any, Any] | None = None,
     ) -> None:
         self.temperature = max(_number("temperature", temperature), 0.0)
         self.top_k = _integer("top_k", top_k)
@@ -67,6 +69,7 @@ class Sampler:
             self.rng = np.random.default_rng()
         else:
             self.rng = np.random.default_rng(seed % 2**64)
+        self.bias_ids, self.bias_values = _logit_bias(logit_bias)
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None) -> "Sampler":
@@ -85,11 +88,15 @@ class Sampler:
             top_p=options.get("top_p", 0.0),
             min_p=options.get("min_p", 0.0),
             seed=options.get("seed", 0),
+            logit_bias=options.get("logit_bias"),
         )
 
-    def sample(self, logits: np.ndarray) -> int:
-        """The chosen token id. The logits array is read, never modified."""
+    def sample(self, logits: np.ndarray, ids: np.ndarray | None = None) -> int:
+        """The chosen index into `logits`, which is read, never modified. `ids`: the (ascending) token ids of
+        the rows when `logits` is a subset of the vocabulary (a grammar's allowed tokens), for the bias."""
         logits = np.asarray(logits, dtype=np.float32)
+        if self.bias_ids.size:
+            logits = self._biased(logits, ids)
         if logits.ndim != 1:
             raise ValueError(f"sample: expected one row of logits, got shape {logits.shape}")
         if logits.size == 0:
@@ -110,3 +117,36 @@ class Sampler:
             raise NonFiniteLogitsError("sample: logits sum to NaN, check model output")
         r = self.rng.random(dtype=np.float32) * total
         return int(ids[np.searchsorted(cumulative, r, side="left")])
+
+    def _biased(self, logits: np.ndarray, ids: np.ndarray | None) -> np.ndarray:
+        """A copy of `logits` with the bias added; ids beyond the rows are ignored."""
+        out = logits.copy()
+        if out.size == 0:
+            return out
+        if ids is None:
+            keep = self.bias_ids < out.shape[0]
+            out[self.bias_ids[keep]] += self.bias_values[keep]
+            return out
+        at = np.minimum(np.searchsorted(ids, self.bias_ids), max(ids.size - 1, 0))
+        keep = ids[at] == self.bias_ids
+        out[at[keep]] += self.bias_values[keep]
+        return out
+
+
+def _logit_bias(value: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(token ids, values) of a logit_bias map {id (int or its decimal string): number}; empty arrays for none."""
+    if value is None or value == {}:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)
+    if not isinstance(value, Mapping):
+        raise TypeError(f"logit_bias must be an object of token id to number, got {value!r}")
+    ids, values = [], []
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise TypeError(f"logit_bias: {key!r} is not a token id") from None
+        if token < 0 or isinstance(key, bool):
+            raise TypeError(f"logit_bias: {key!r} is not a token id")
+        ids.append(token)
+        values.append(_number(f"logit_bias[{key}]", bias))
+    return np.asarray(ids, dtype=np.int64), np.asarray(values, dtype=np.float32)
