@@ -82,6 +82,8 @@ MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
         {"n_layer": 32, "n_embd": 4096, "n_head": 32, "n_head_kv": 8, "n_ff": 14336, "tied_embeddings": False,
          "name": "llama-3.1-8b"},
     ),
+    # Llama 3.2 1B's shape in F16 with its own output matrix: 2.8 GiB, past the old 1 GiB upload limit
+    "llama-3.2-1b-f16": ("llama-3.2-1b", "F16", {"tied_embeddings": False, "name": "llama-3.2-1b-f16"}),
     # Qwen3-30B-A3B's shape scaled to ~1.0B parameters (~0.34B active, half of that the embeddings):
     # 32 experts of width 512 per layer, 4 used per token
     "qwen3moe-1b": (

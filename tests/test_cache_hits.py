@@ -98,3 +98,22 @@ def test_a_conversation_through_chat_history(server: str, model: str):
     hit = chat(server, model, history)
     unload(server, model)
     assert_same(hit, chat(server, model, history))
+
+
+LONG = " ".join(f"Note {i}: the {('red', 'green', 'blue')[i % 3]} crate on shelf {i % 7} holds {i * 7 % 50} bolts."
+                for i in range(90))  # ~1 500 Gemma tokens: past its sliding layers' ring of 512 + 512 cells
+
+
+def test_a_prompt_past_the_sliding_window_ring(server: str, gemma3_path: Path):
+    """Gemma 3's sliding layers keep a ring of 1 024 cells (window 512 + batch 512): a hit on a prompt that
+    wrapped the ring goes on in the cells a cold run uses, and answers as a cold run does."""
+    model, prompt = str(gemma3_path), LONG + " Which shelf holds the most bolts?"
+    unload(server, model)
+    cold = generate(server, model, prompt)
+    assert cold["prompt_eval_count"] > 1100
+    unload(server, model)
+    first = generate(server, model, LONG + " Count the red crates.")
+    hit = generate(server, model, prompt)
+    # the shared part came from the cache (exact reuse resumes at 1 536, a multiple of the batch)
+    assert hit["prompt_eval_duration"] < first["prompt_eval_duration"] / 3
+    assert_same(hit, cold)
