@@ -151,6 +151,13 @@ def test_embed(client: ollama.Client, bert: str):
     assert single.embeddings[0] == pytest.approx(out.embeddings[0], abs=1e-5)
     cut = client.embed(model=bert, input="hello world", dimensions=8)
     assert len(cut.embeddings[0]) == 8
+    head = out.embeddings[0][:8]  # Ollama's rule: the first features, normalised again
+    assert cut.embeddings[0] == pytest.approx([x / math.sqrt(sum(y * y for y in head)) for x in head], abs=1e-5)
+    for dimensions, message in [(len(out.embeddings[0]) + 1, "exceeds the model's embedding size"),
+                                (-1, "dimensions must be a positive integer")]:
+        with pytest.raises(ollama.ResponseError) as err:
+            client.embed(model=bert, input="hello world", dimensions=dimensions)
+        assert err.value.status_code == 400 and message in err.value.error
     legacy = client.embeddings(model=bert, prompt="hello world").embedding
     norm = math.sqrt(sum(x * x for x in legacy))
     assert [x / norm for x in legacy] == pytest.approx(out.embeddings[0], abs=1e-5)

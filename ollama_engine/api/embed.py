@@ -28,6 +28,27 @@ def normalize(vector: Sequence[float]) -> list[float]:
     return [x / norm for x in vector] if norm > 0 else list(vector)
 
 
+def parse_dimensions(value: Any) -> int:
+    """`dimensions` of an embed request: absent, null or 0 keep the model's size; otherwise a positive int."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ApiError(400, f"dimensions must be a positive integer, got {value!r}")
+    return value
+
+
+def normalized(vectors: list[list[float]], dimensions: int) -> list[list[float]]:
+    """L2-normalised vectors, cut to `dimensions` first-features and normalised again (Ollama's rule); a
+    size above the model's is a 400 rather than a silently longer-than-asked answer."""
+    out = [normalize(v) for v in vectors]
+    size = min((len(v) for v in out), default=0)
+    if dimensions > size and out:
+        raise ApiError(400, f"dimensions {dimensions} exceeds the model's embedding size {size}")
+    if 0 < dimensions < size:
+        out = [normalize(v[:dimensions]) for v in out]
+    return out
+
+
 class EmbedRoutes:
     def __init__(self, scheduler: Scheduler, catalog: Catalog) -> None:
         self.scheduler = scheduler
@@ -93,18 +114,16 @@ class EmbedRoutes:
                 texts = list(raw)
             else:
                 raise ApiError(400, "invalid input type")
-            dimensions = body.get("dimensions") or 0
+            dimensions = parse_dimensions(body.get("dimensions"))
             keep_alive = parse_keep_alive(body.get("keep_alive"))
             opts, _ = request_options(entry, body.get("options"))
             vectors, count, load = await self.embed_texts(entry, texts, opts, keep_alive,
                                                           body.get("truncate") is not False)
             if not texts:
                 return json_response({"model": entry.name, "embeddings": []})
-            out = [normalize(v) for v in vectors]
-            if isinstance(dimensions, int) and 0 < dimensions < min(len(v) for v in out):
-                out = [normalize(v[:dimensions]) for v in out]
             return json_response({
-                "model": entry.name, "embeddings": out, "total_duration": round((time.monotonic() - start) * 1e9),
+                "model": entry.name, "embeddings": normalized(vectors, dimensions),
+                "total_duration": round((time.monotonic() - start) * 1e9),
                 "load_duration": round(load * 1e9), "prompt_eval_count": count,
             })
         except ApiError as err:

@@ -27,7 +27,7 @@ from ollama_engine.store import StoreError
 from .catalog import Entry
 from .chat import ChatRoutes, collect_chat, collect_generate
 from .completion import Chunks, Job, first_chunk, runner_chunks
-from .embed import EmbedRoutes, normalize
+from .embed import EmbedRoutes, normalized, parse_dimensions
 from .native import ApiError, json_response, read_json
 from .prompt import request_options
 from .tool_choice import ToolChoiceError, ToolPlan, openai_choice, plan_tools, tool_name
@@ -546,12 +546,10 @@ class OpenAIRoutes:
             if encoding not in ("float", "base64"):
                 raise ApiError(400, f"Invalid value for 'encoding_format' = {encoding}. Supported values: "
                                     "['float', 'base64'].")
+            dimensions = parse_dimensions(body.get("dimensions"))
             opts, _ = request_options(entry, None)
             vectors, count, _ = await self.embed.embed_texts(entry, texts, opts, None)
-            dimensions = body.get("dimensions") or 0
-            out = [normalize(v) for v in vectors]
-            if isinstance(dimensions, int) and 0 < dimensions < min(len(v) for v in out):
-                out = [normalize(v[:dimensions]) for v in out]
+            out = normalized(vectors, dimensions)
             data = [{"object": "embedding", "index": i,
                      "embedding": base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode()
                      if encoding == "base64" else v} for i, v in enumerate(out)]
