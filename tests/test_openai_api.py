@@ -187,3 +187,29 @@ def test_openai_messages_translation():
     assert out[0] == {"role": "user", "content": "hi"} and out[1]["images"] == ["AAAA"]
     assert out[2]["tool_calls"][0]["function"]["arguments"] == {"x": 1}
     assert out[3]["tool_name"] == "f" and out[3]["tool_call_id"] == "call_1"
+
+
+def test_streamed_tool_calls_have_an_index_each_and_parallel_false_keeps_one():
+    tools = TOOLS + [{"type": "function", "function": {"name": "get_time", "parameters": {}}}]
+    chunks = _chat_chunks(tools, _lines('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}',
+                                        '</tool_call><tool_call>{"name": "get_time", "arguments": {}}</tool_call>'))
+    routes = OpenAIRoutes(None, None)  # type: ignore[arg-type]
+
+    async def events(max_calls: int | None) -> list[dict]:
+        return [e async for e in routes._chat_events(_replay(chunks), "chatcmpl-1", 1, "m", False, max_calls)]
+
+    calls = [c for e in asyncio.run(events(None)) for c in e["choices"][0]["delta"].get("tool_calls") or []]
+    assert [(c["index"], c["function"]["name"]) for c in calls] == [(0, "get_weather"), (1, "get_time")]
+    assert len({c["id"] for c in calls}) == 2
+    out = asyncio.run(events(1))
+    calls = [c for e in out for c in e["choices"][0]["delta"].get("tool_calls") or []]
+    assert [(c["index"], c["function"]["name"]) for c in calls] == [(0, "get_weather")]
+    assert out[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_malformed_tool_calls_stay_content():
+    for text in ('<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>',
+                 '{"name": "get_weather", "arguments": "not json"}', '{"name": "unknown_tool", "arguments": {}}',
+                 '[{"name": "get_weather"}, 5]'):
+        final = collect_chat(_chat_chunks(TOOLS, _lines(text)))
+        assert "tool_calls" not in final["message"] and final["message"]["content"] == text
