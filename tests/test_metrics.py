@@ -18,6 +18,7 @@ ollama = pytest.importorskip("ollama")
 parser = pytest.importorskip("prometheus_client.parser")
 
 OPTIONS = {"num_predict": 40, "temperature": 0, "seed": 1}
+SHORT = {"num_predict": 4, "temperature": 0}  # where only the load matters
 
 # Long enough (over 64 tokens) that the first turn's prompt is evaluated as the second turn's is (the tiled
 # attention kernel): exact reuse (runner/exact.py) then may reuse it from the cache.
@@ -55,11 +56,11 @@ def delta(before: Samples, after: Samples, name: str, **labels: str) -> float:
     return value(after, name, **labels) - value(before, name, **labels)
 
 
-def stream_chat(url: str, model: str, messages: list[dict], during=None) -> tuple[str, dict]:
+def stream_chat(url: str, model: str, messages: list[dict], during=None, options=OPTIONS) -> tuple[str, dict]:
     """A streamed chat; `during(chunk_index)` runs between chunks. Returns the text and the final chunk."""
-    client = ollama.Client(host=url, timeout=300)
+    client = ollama.Client(host=url, timeout=600)
     text, final = [], None
-    for i, chunk in enumerate(client.chat(model=model, messages=messages, stream=True, options=OPTIONS)):
+    for i, chunk in enumerate(client.chat(model=model, messages=messages, stream=True, options=options)):
         if chunk.done:
             final = chunk
         else:
@@ -113,7 +114,7 @@ def test_a_streamed_chat_moves_the_counters(server, smollm2_path: Path):
 
 def test_the_memory_gauges_are_the_runners_report(server, smollm2_path: Path):
     model = str(smollm2_path)
-    stream_chat(server, model, [{"role": "user", "content": "Hi"}])
+    stream_chat(server, model, [{"role": "user", "content": "Hi"}], options=SHORT)
     samples = scrape(server)
     status = httpx.get(server + "/api/status", timeout=30).json()
     (loaded,) = [m for m in status["models"] if m["name"] == model]
@@ -133,9 +134,9 @@ def test_the_memory_gauges_are_the_runners_report(server, smollm2_path: Path):
 
 def test_a_second_model_evicts_the_first_and_says_why(server, smollm2_path: Path, gemma3_path: Path):
     first, second = str(smollm2_path), str(gemma3_path)
-    stream_chat(server, first, [{"role": "user", "content": "Hello"}])
+    stream_chat(server, first, [{"role": "user", "content": "Hello"}], options=SHORT)
     before = scrape(server)
-    stream_chat(server, second, [{"role": "user", "content": "Hello"}])
+    stream_chat(server, second, [{"role": "user", "content": "Hello"}], options=SHORT)
     after = scrape(server)
     assert delta(before, after, "ollama_engine_model_unloads_total", model=first, reason="max_loaded_models") == 1
     assert delta(before, after, "ollama_engine_model_loads_total", model=second, outcome="ok") == 1
@@ -149,7 +150,7 @@ def test_a_second_model_evicts_the_first_and_says_why(server, smollm2_path: Path
 
 def test_a_stop_is_counted_as_one(server, smollm2_path: Path):
     model = str(smollm2_path)
-    stream_chat(server, model, [{"role": "user", "content": "Hello"}])
+    stream_chat(server, model, [{"role": "user", "content": "Hello"}], options=SHORT)
     before = scrape(server)
     assert httpx.post(server + "/api/stop", json={"model": model}).json()["stopped"] is True
     after = before

@@ -94,13 +94,17 @@ class CompletionTimer:
         self.last = now
 
     def done(self, final: Mapping[str, Any]) -> None:
-        """The runner's last line: its token counts (prompt_eval_count, eval_count, prompt_cached_count)."""
+        """The runner's last line: its token counts (prompt_eval_count, eval_count, prompt_cached_count, and
+        draft_n / draft_n_accepted when it decoded speculatively)."""
         prompt, generated = int(final.get("prompt_eval_count") or 0), int(final.get("eval_count") or 0)
         cached = int(final.get("prompt_cached_count") or 0)
         m = self.metrics
         m.prompt_tokens.labels(self.model).inc(prompt)
         m.generated_tokens.labels(self.model).inc(generated)
         m.prompt_cache_hit_tokens.labels(self.model).inc(cached)
+        if "draft_n" in final:  # the runner drafted tokens (speculative decoding)
+            m.draft_tokens.labels(self.model).inc(int(final["draft_n"] or 0))
+            m.draft_accepted_tokens.labels(self.model).inc(int(final.get("draft_n_accepted") or 0))
         eval_ns = int(final.get("eval_duration") or 0)
         m.recent.append(RecentRequest(
             model=self.model, finished_at=time.time(), prompt_tokens=prompt, cached_tokens=cached,
@@ -125,6 +129,11 @@ class Metrics(SchedulerEvents):
         self.prompt_cache_hit_tokens = Counter(
             p + "prompt_cache_hit_tokens", "Prompt tokens reused from the runner's prompt cache (not evaluated)",
             ["model"], registry=r)
+        self.draft_tokens = Counter(p + "speculative_draft_tokens", "Tokens drafted by speculative decoding",
+                                    ["model"], registry=r)
+        self.draft_accepted_tokens = Counter(
+            p + "speculative_accepted_tokens", "Drafted tokens the model accepted (acceptance rate: this over "
+            "speculative_draft_tokens)", ["model"], registry=r)
         self.time_to_first_token = Histogram(
             p + "time_to_first_token_seconds",
             "From the request's arrival to its first streamed chunk (queueing and a load included)",
