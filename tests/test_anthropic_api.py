@@ -271,7 +271,7 @@ def _lines(*pieces: str, tokens_per_piece: int = 1) -> list[dict[str, Any]]:
 
 
 def _cut(lines: list[dict[str, Any]], stops: list[str]) -> tuple[list[dict[str, Any]], str | None]:
-    from ollama_engine.api.anthropic import Outcome, stopped_lines
+    from ollama_engine.api.stop_sequences import Outcome, stopped_lines
 
     async def source():
         for line in lines:
@@ -304,7 +304,8 @@ def test_stop_sequences_hold_back_only_what_may_begin_one():
 
 
 def test_stream_blocks_on_recorded_chunks():
-    from ollama_engine.api.anthropic import Outcome, message_events
+    from ollama_engine.api.anthropic import message_events
+    from ollama_engine.api.stop_sequences import Outcome
 
     chunks = [{"message": {"thinking": "hmm"}}, {"message": {"thinking": " ok"}}, {"message": {"content": "Hi"}},
               {"message": {"content": "", "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}}}]}},

@@ -7,9 +7,8 @@ chat.py; its chunks are translated back into Anthropic's message or its server-s
   chat path's tool-call parser reads as a call; `none` gives the template no tools.
 - `thinking.budget_tokens` is enforced: the thinking part runs with num_predict = budget; if it has not
   closed by then, `</think>` is appended and the answer continues from there (thinking_budget.py).
-- `stop_sequences` are matched here, not in the runner, so that `stop_reason` can say `stop_sequence` and
-  which one (the runner only reports stop / length); the output's tokens are counted exactly through the
-  runner's per-token logprobs.
+- `stop_sequences` are matched by the API, not the runner, so that `stop_reason` can say `stop_sequence`
+  and which one (the runner only reports stop / length; stop_sequences.py).
 - `count_tokens` renders and tokenizes the prompt exactly as /v1/messages runs it (Ollama estimates len/4).
 Errors have Anthropic's shape `{"type": "error", "error": {"type", "message"}}` and its status codes.
 """
@@ -20,7 +19,7 @@ import asyncio
 import json
 import logging
 import secrets
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +29,7 @@ from aiohttp import web
 from .chat import ChatRoutes, collect_chat
 from .completion import Chunks, Job, first_chunk, runner_chunks
 from .native import ApiError, json_response, read_json
+from .stop_sequences import Outcome, stopped_lines
 from .thinking_budget import budgeted_lines
 from .tool_choice import ToolChoiceError, anthropic_choice, plan_tools
 
@@ -284,62 +284,13 @@ def chat_request(body: Mapping[str, Any], *, counting: bool = False) -> tuple[di
     return native, plan
 
 
-# ---------------------------------------------------------------- running: stop sequences and counts
-
-
-@dataclass
-class Outcome:
-    """What the chat chunks do not say: the stop sequence that ended the output, if one did."""
-
-    stop_sequence: str | None = None
+# ---------------------------------------------------------------- running
 
 
 def prompt_tokens(job: Job) -> int:
     """The prompt's token count, as the runner tokenizes it (its prompt_eval_count)."""
     return len(job.entry.view.tokenizer.encode(job.prompt, add_special=True))
 
-
-def _held(text: str, stops: Sequence[str]) -> int:
-    """How many trailing characters of `text` could begin a stop sequence (held back until known)."""
-    return max((n for stop in stops for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0)
-
-
-async def stopped_lines(lines: Chunks, stops: Sequence[str], input_tokens: int, outcome: Outcome) -> Chunks:
-    """Runner lines cut at the first of `stops` (then ended with a final line of our own, done_reason stop).
-
-    The lines carry one logprob entry per generated token (asked for by the route), so the cut knows
-    exactly how many tokens were generated up to and including the one that completed the stop."""
-    pending, tokens = "", 0
-    async with aclosing(lines) as source:
-        async for line in source:
-            if line.get("done"):
-                if pending:
-                    yield {"content": pending, "done": False}
-                yield line
-                return
-            text = line.get("content", "")
-            entries = line.get("logprobs") or []
-            combined = pending + text
-            found = [(combined.find(stop), stop) for stop in stops if stop in combined]
-            if found:
-                at, stop = min(found)  # the earliest in the text
-                before = pending
-                for entry in entries:  # the tokens up to the one that completes the stop
-                    tokens += 1
-                    before += str(entry.get("token", ""))
-                    if stop in before:
-                        break
-                if combined[:at]:
-                    yield {"content": combined[:at], "done": False}
-                outcome.stop_sequence = stop
-                yield {"content": "", "done": True, "done_reason": 0, "prompt_eval_count": input_tokens,
-                       "prompt_eval_duration": 0, "eval_count": tokens, "eval_duration": 0}
-                return
-            tokens += len(entries)
-            keep = _held(combined, stops)
-            pending = combined[len(combined) - keep:] if keep else ""
-            if combined[: len(combined) - keep]:
-                yield {"content": combined[: len(combined) - keep], "done": False}
 
 
 # ---------------------------------------------------------------- response translation
@@ -445,7 +396,7 @@ class AnthropicRoutes:
         assert job is not None  # messages are never empty here
         return job, state, plan
 
-    def _lines(self, job: Job, state: Mapping[str, Any], plan: Plan, input_tokens: int, outcome: Outcome) -> Chunks:
+    def _lines(self, job: Job, plan: Plan, input_tokens: int, outcome: Outcome) -> Chunks:
         """The runner lines for the chat chunks: with the thinking budget and the stop sequences applied."""
         if plan.budget is not None and "thinking" in job.entry.capabilities:
             lines = budgeted_lines(self.chat.scheduler, job, plan.budget, plan.max_tokens)
@@ -459,14 +410,16 @@ class AnthropicRoutes:
         try:
             body = await read_json(request)
             job, state, plan = await self._prepare(body)
-            input_tokens = await asyncio.to_thread(prompt_tokens, job)
+            # message_start and a cut at a stop sequence report the prompt's tokens before the runner does
+            needed = body.get("stream") or plan.stop_sequences
+            input_tokens = await asyncio.to_thread(prompt_tokens, job) if needed else 0
         except ApiError as err:
             return anthropic_error(err)
         if plan.stop_sequences:  # one logprob entry per token: stopped_lines counts tokens with them
             job.extra.setdefault("Logprobs", True)
             job.extra.setdefault("TopLogprobs", 0)
         outcome = Outcome()
-        lines = self._lines(job, state, plan, input_tokens, outcome)
+        lines = self._lines(job, plan, input_tokens, outcome)
         chunks = self.chat.chat_chunks(job, state["tools"], state["think"], source=lines)
         ident, model = message_id(), str(body["model"])
         if not body.get("stream"):
