@@ -121,6 +121,21 @@ def test_greedy_text_equals_api_chat(client: anthropic.Anthropic, server: str):
     assert plain.usage.input_tokens != out.usage.input_tokens
 
 
+def test_assistant_prefill_is_continued(client: anthropic.Anthropic, server: str):
+    """A final assistant message is continued (Anthropic's prefill): the same text as a raw generation
+    from SmolLM2's rendered prompt with the prefill after the opened assistant turn."""
+    prefill = "The capital of France is"
+    messages = QUESTION + [{"role": "assistant", "content": prefill}]
+    out = client.messages.create(**greedy(messages=messages, max_tokens=8))
+    prompt = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+              "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n" + prefill)
+    raw = httpx.post(server + "/api/generate", timeout=120, json={
+        "model": "smollm2", "prompt": prompt, "raw": True, "stream": False,
+        "options": {"temperature": 0, "num_predict": 8}}).json()
+    assert out.content[0].text == raw["response"] and out.usage.input_tokens == raw["prompt_eval_count"]
+    assert client.messages.count_tokens(model="smollm2", messages=messages).input_tokens == raw["prompt_eval_count"]
+
+
 def test_stop_sequences(client: anthropic.Anthropic):
     free = client.messages.create(**greedy(messages=QUESTION, max_tokens=24)).content[0].text
     words = free.split()

@@ -9,6 +9,8 @@ chat.py; its chunks are translated back into Anthropic's message or its server-s
   closed by then, `</think>` is appended and the answer continues from there (thinking_budget.py).
 - `stop_sequences` are matched by the API, not the runner, so that `stop_reason` can say `stop_sequence`
   and which one (the runner only reports stop / length; stop_sequences.py).
+- A final assistant message is a prefill, as in Anthropic's API: the answer continues its text (the
+  template opens the assistant turn, the text follows), whatever the template.
 - `count_tokens` renders and tokenizes the prompt exactly as /v1/messages runs it (Ollama estimates len/4).
 Errors have Anthropic's shape `{"type": "error", "error": {"type", "message"}}` and its status codes.
 """
@@ -76,6 +78,7 @@ class Plan:
     stop_sequences: list[str] = field(default_factory=list)
     budget: int | None = None  # thinking.budget_tokens, enforced
     effort: str = ""  # output_config.effort as a think level: used where the model can think
+    prefill: str = ""  # a final assistant message's text: the answer continues it
 
 
 def _bad(message: str) -> ApiError:
@@ -255,6 +258,9 @@ def chat_request(body: Mapping[str, Any], *, counting: bool = False) -> tuple[di
         if body.get("stream") is not None and not isinstance(body["stream"], bool):
             raise _bad("stream: Input should be a valid boolean")
     messages = native_messages(body.get("messages"))
+    last = messages[-1]
+    if len(messages) > 1 and last["role"] == "assistant" and set(last) == {"role", "content"}:
+        plan.prefill = messages.pop()["content"]  # Anthropic's prefill: words put in the model's mouth
     system = _text_of(body.get("system"), "system")
     if system:
         messages.insert(0, {"role": "system", "content": system})
@@ -394,6 +400,7 @@ class AnthropicRoutes:
             native["think"] = plan.effort  # effort asks for care, not for thinking: dropped where none is
         _, job, state = await self.chat.prepare_chat(native)
         assert job is not None  # messages are never empty here
+        job.prompt += plan.prefill  # after the template's opening of the assistant turn, whatever the model
         return job, state, plan
 
     def _lines(self, job: Job, plan: Plan, input_tokens: int, outcome: Outcome) -> Chunks:
