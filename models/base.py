@@ -45,9 +45,10 @@ class ModelError(ValueError):
     """A GGUF file this engine cannot run: unknown architecture, missing tensor or hyper-parameter."""
 
 
-def weight(name: str, *, optional: bool = False) -> Any:
-    """A dataclass field holding the tensor `name` (relative to the prefix given to bind())."""
-    return dataclasses.field(metadata={"gguf": name, "optional": optional})
+def weight(name: str, *, optional: bool = False, matrix: bool = False) -> Any:
+    """A dataclass field holding the tensor `name` (relative to the prefix given to bind()). matrix: only ever
+    multiplied, so one that ggml sees as a vector (one row: a classifier's single output) may have any type."""
+    return dataclasses.field(metadata={"gguf": name, "optional": optional, "matrix": matrix})
 
 
 def bind(cls: type[T], backend: Backend, prefix: str = "") -> T:
@@ -59,7 +60,7 @@ def bind(cls: type[T], backend: Backend, prefix: str = "") -> T:
         source = backend.model.path if backend.model is not None else "the backend"
         if tensor is None and not field.metadata["optional"]:
             raise ModelError(f"{source}: model is missing required tensor {name}")
-        if tensor is not None and len(tensor.shape) == 1 and tensor.dtype != DType.F32:
+        if tensor is not None and len(tensor.shape) == 1 and tensor.dtype != DType.F32 and not field.metadata["matrix"]:
             # norms, biases and frequency factors enter element-wise ops, which ggml aborts on for other types
             raise ModelError(f"{source}: tensor {name} is a vector of type {tensor.dtype.name}; vectors must be F32")
         values[field.name] = tensor

@@ -5,6 +5,10 @@ Each layer: h = norm(h + attn_output(attention(q, k, v))), then h = norm(h + ffn
 with biases everywhere and every token attending to every other. There is no KV cache: the runner sends
 the whole input as one batch, and the model pools it into one vector (mean of the tokens, the first
 token [CLS], or the last) that is L2-normalised unless `bert.normalize_embeddings` is false.
+
+A reranker (pooling type 4, llama.cpp's RANK) is the same encoder with a classification head on the [CLS]
+token: `cls` (dense, then tanh) and `cls.output` (to n_cls_out scores, one per
+`bert.classifier.output_labels`, 1 without them), each optional as in llama.cpp; its scores are not normalised.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ class Pooling(IntEnum):
     MEAN = 1
     CLS = 2
     LAST = 3
+    RANK = 4
 
 
 @dataclass
@@ -59,6 +64,11 @@ class Weights:
     position_embd: Tensor = weight("position_embd.weight")
     token_embd_norm: Tensor = weight("token_embd_norm.weight")
     token_embd_norm_bias: Tensor = weight("token_embd_norm.bias")
+    # a reranker's classification head (llama.cpp's LLM_TENSOR_CLS and LLM_TENSOR_CLS_OUT)
+    cls: Tensor | None = weight("cls.weight", optional=True)
+    cls_bias: Tensor | None = weight("cls.bias", optional=True)
+    cls_output: Tensor | None = weight("cls.output.weight", optional=True, matrix=True)  # (hidden, n_cls_out)
+    cls_output_bias: Tensor | None = weight("cls.output.bias", optional=True)
 
 
 @dataclass(frozen=True)
@@ -128,13 +138,26 @@ class Bert(Model):
         h.set_name("result_embd")
         if o.pooling == Pooling.NONE:
             return h
+        if o.pooling == Pooling.RANK:
+            return self.classify(self.pool(h)).set_name("result_embd_pooled")
         h = self.pool(h).set_name("result_embd_pooled")
         return h.l2_norm(1e-12) if o.normalize else h
+
+    def classify(self, h: Tensor) -> Tensor:
+        """A reranker's scores from the [CLS] state: tanh(cls h + b), then cls.output (llama.cpp's build_pooling)."""
+        w = self.weights
+        if w.cls is not None:
+            h = w.cls.matmul(h)
+            h = (h.add(w.cls_bias) if w.cls_bias is not None else h).tanh()
+        if w.cls_output is not None:
+            h = w.cls_output.matmul(h)
+            h = h.add(w.cls_output_bias) if w.cls_output_bias is not None else h
+        return h
 
     def pool(self, h: Tensor) -> Tensor:
         """One (hidden,) vector from the hidden states (hidden, n) of the batch's tokens."""
         o, n = self.options, h.ne[1]
         if o.pooling == Pooling.MEAN:
             return h.transpose().contiguous().mean().reshape(o.hidden)
-        row = 0 if o.pooling == Pooling.CLS else n - 1
+        row = n - 1 if o.pooling == Pooling.LAST else 0  # CLS and RANK (non-causal): the first token
         return h.view(row * h.strides[1], [o.hidden]).contiguous()

@@ -22,7 +22,7 @@ from aiohttp import web
 from ollama_engine.ml import NoMemory, gpu_devices
 from ollama_engine.ml.memory import BackendMemory, DeviceInfo
 from ollama_engine.runner.allocate import LoadedModel, open_model
-from ollama_engine.runner.embed import embed, supports_embeddings
+from ollama_engine.runner.embed import Embedding, embed, rerank, supports_embeddings, supports_rerank
 from ollama_engine.runner.loop import Runner
 from ollama_engine.runner.sequence import InputTooLongError, Piece
 from ollama_engine.sample import GrammarError
@@ -40,6 +40,7 @@ from .wire import (
     encode,
     health_response,
     load_response,
+    rerank_pair,
 )
 
 log = logging.getLogger(__name__)
@@ -134,6 +135,7 @@ class RunnerServer:
         app.router.add_post("/load", self.load)
         app.router.add_post("/completion", self.completion)
         app.router.add_post("/embedding", self.embedding)
+        app.router.add_post("/rerank", self.rerank)
         app.router.add_get("/health", self.health)
         return app
 
@@ -289,17 +291,36 @@ class RunnerServer:
 
     async def embedding(self, request: web.Request) -> web.Response:
         await self.ready.wait()
-        loaded, slots = self.loaded, self.slots
-        assert loaded is not None and slots is not None
+        loaded = self.loaded
+        assert loaded is not None
         if not supports_embeddings(loaded.model):
             return text_error(501, "this model does not support embeddings")
         try:
             content = embedding_content(await request.read())
         except WireError as err:
             return text_error(400, f"bad request: {err}")
-        async with slots:
+        return await self._pooled(lambda: embed(loaded.model, content, loaded.input_cache.num_ctx))
+
+    async def rerank(self, request: web.Request) -> web.Response:
+        """Ours (Ollama's runner has none): a reranker's scores for one query/document pair, as /embedding's
+        `embedding`; the first is llama-server's relevance_score."""
+        await self.ready.wait()
+        loaded = self.loaded
+        assert loaded is not None
+        if not supports_rerank(loaded.model):
+            return text_error(501, "this model does not support reranking")
+        try:
+            query, document = rerank_pair(await request.read())
+        except WireError as err:
+            return text_error(400, f"bad request: {err}")
+        return await self._pooled(lambda: rerank(loaded.model, query, document, loaded.input_cache.num_ctx))
+
+    async def _pooled(self, compute: Callable[[], Embedding]) -> web.Response:
+        """One pooled forward pass in a slot: {"embedding": [...], "prompt_eval_count": n}."""
+        assert self.slots is not None
+        async with self.slots:
             try:
-                result = await asyncio.to_thread(embed, loaded.model, content, loaded.input_cache.num_ctx)
+                result = await asyncio.to_thread(compute)
             except InputTooLongError as err:
                 return text_error(400, str(err))
             except Exception as err:
@@ -307,7 +328,6 @@ class RunnerServer:
         return json_response({
             "embedding": [Float32(x) for x in result.vector.tolist()], "prompt_eval_count": result.prompt_eval_count,
         })
-
 
 def serve(model_path: str | None, host: str, port: int) -> None:
     """Run the runner's HTTP server until the process is stopped."""

@@ -395,3 +395,9 @@ def _logprob(entry: Logprob) -> dict[str, Any]:
 def embedding_content(body: bytes) -> str:
     """llm.EmbeddingRequest's `content`."""
     return _typed(decode_object(body), "content", str, "")
+
+
+def rerank_pair(body: bytes) -> tuple[str, str]:
+    """Our /rerank request's `query` and `document`."""
+    data = decode_object(body)
+    return _typed(data, "query", str, ""), _typed(data, "document", str, "")

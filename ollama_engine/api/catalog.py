@@ -27,6 +27,8 @@ from ollama_engine.template import (
 )
 from ollama_engine.tokenizer import Tokenizer, Vocabulary, from_metadata
 
+RANK_POOLING = 4  # `<arch>.pooling_type` of a reranker (llama.cpp's LLAMA_POOLING_TYPE_RANK)
+
 
 class ModelNotFoundError(LookupError):
     """No GGUF file and no stored model under this name (404)."""
@@ -61,6 +63,11 @@ class GGUFView:
     def embedding_only(self) -> bool:
         """A pooling model (BERT-style): embeddings, no completion (Ollama's capability rule)."""
         return f"{self.architecture}.pooling_type" in self.metadata
+
+    @property
+    def reranker(self) -> bool:
+        """A classifier scoring query/document pairs (`<arch>.pooling_type` 4, llama.cpp's rank pooling)."""
+        return self.metadata.get(f"{self.architecture}.pooling_type") == RANK_POOLING
 
     @property
     def context_length(self) -> int:
@@ -116,8 +123,9 @@ class Entry:
 
     @cached_property
     def capabilities(self) -> list[str]:
-        """Ollama's capabilities: completion or embedding, then tools, insert, thinking, vision."""
-        caps = ["embedding"] if self.view.embedding_only else ["completion"]
+        """Ollama's capabilities: completion or embedding (ours: rerank for a reranker), then tools, insert,
+        thinking, vision."""
+        caps = ["rerank"] if self.view.reranker else ["embedding"] if self.view.embedding_only else ["completion"]
         if self.go_template is not None:
             names = self.go_template.vars()
             caps += [cap for cap, var in (("tools", "tools"), ("insert", "suffix"), ("thinking", "think"))

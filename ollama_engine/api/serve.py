@@ -26,6 +26,7 @@ from .middleware import allowed_origins, cors_middleware, error_middleware, host
 from .models_routes import model_routes
 from .native import native_routes
 from .openai import openai_routes
+from .rerank import rerank_routes
 from .responses import responses_routes
 from .status import status_routes
 
@@ -60,6 +61,7 @@ def create_app(config: EnvConfig | None = None, scheduler: Scheduler | None = No
     chat = chat_routes(app, scheduler, catalog)
     embed = embed_routes(app, scheduler, catalog)
     model_routes(app, scheduler, catalog)
+    rerank_routes(app, scheduler, catalog)
     openai_routes(app, chat, embed)
     responses_routes(app, chat)
     anthropic_routes(app, chat)

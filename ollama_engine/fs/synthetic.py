@@ -97,7 +97,7 @@ class ModelSpec:
     rope_freqs: bool = False  # Llama-3 style per-frequency rope factors
     qkv_bias: bool = False
     qk_norm: bool = False
-    pooling_type: int = int(gguf.PoolingType.CLS)  # bert only: 1 mean, 2 CLS, 3 last
+    pooling_type: int = int(gguf.PoolingType.CLS)  # bert only: 1 mean, 2 CLS, 3 last, 4 rank (a cls head)
     sliding_window: int | None = None  # gemma: attention.sliding_window and its pattern (every n-th global)
     sliding_window_pattern: int | None = None
     rope_base_swa: float | None = None
@@ -186,6 +186,19 @@ PRESETS: dict[str, ModelSpec] = {
         context_length=512,
         eps=1e-12,
         name="tiny-bert",
+    ),
+    "tiny-bert-reranker": ModelSpec(  # a cross-encoder (bge-reranker's layout): tiny-bert with a cls head
+        arch="bert",
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        n_head_kv=4,
+        n_ff=128,
+        vocab="bert-bge",
+        context_length=512,
+        eps=1e-12,
+        pooling_type=int(gguf.PoolingType.RANK),
+        name="tiny-bert-reranker",
     ),
     "tiny-qwen3moe": ModelSpec(
         arch="qwen3moe",
@@ -678,6 +691,11 @@ def _tensor_plan(spec: ModelSpec, n_vocab: int, qtype: GGMLQuantizationType) -> 
             yield tensor(MODEL_TENSOR.FFN_DOWN, "bias", (n_embd,), "bias", i)
             yield tensor(MODEL_TENSOR.LAYER_OUT_NORM, "weight", (n_embd,), "norm", i)
             yield tensor(MODEL_TENSOR.LAYER_OUT_NORM, "bias", (n_embd,), "bias", i)
+        if spec.pooling_type == gguf.PoolingType.RANK:  # a reranker's head: dense + tanh, then one score
+            yield tensor(MODEL_TENSOR.CLS, "weight", (n_embd, n_embd), "matrix")
+            yield tensor(MODEL_TENSOR.CLS, "bias", (n_embd,), "bias")
+            yield tensor(MODEL_TENSOR.CLS_OUT, "weight", (n_embd, 1), "matrix")
+            yield tensor(MODEL_TENSOR.CLS_OUT, "bias", (1,), "bias")
         return
 
     if spec.arch not in ("lfm2", "lfm2moe"):  # lfm2's is named token_embd_norm

@@ -195,10 +195,17 @@ class LlamaServer:
 
     async def embedding(self, content: str) -> dict[str, Any]:
         """POST /embedding: {"embedding": [...], "prompt_eval_count": n}; the runner's HTTP errors as StatusError."""
+        return await self._pooled("/embedding", {"content": content})
+
+    async def rerank(self, query: str, document: str) -> dict[str, Any]:
+        """POST /rerank (ours): the pair's scores as {"embedding": [...], "prompt_eval_count": n}."""
+        return await self._pooled("/rerank", {"query": query, "document": document})
+
+    async def _pooled(self, route: str, payload: dict[str, Any]) -> dict[str, Any]:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
         try:
             async with aiohttp.ClientSession(timeout=timeout) as session, session.post(
-                self._url + "/embedding", data=json.dumps({"content": content})
+                self._url + route, data=json.dumps(payload)
             ) as response:
                 if response.status != 200:
                     raise StatusError(response.status, (await response.text()).strip())
