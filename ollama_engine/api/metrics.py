@@ -12,6 +12,7 @@ share or collide on a metric.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator, Mapping
@@ -183,18 +184,21 @@ class Metrics(SchedulerEvents):
 
         @web.middleware
         async def count(request: web.Request, handler: Handler) -> web.StreamResponse:
-            status = 500
+            status = "500"
             try:
                 response = await handler(request)
-                status = response.status
+                status = str(response.status)
                 return response
             except web.HTTPException as err:
-                status = err.status
+                status = str(err.status)
+                raise
+            except asyncio.CancelledError:  # the client went away before the handler ended
+                status = "cancelled"
                 raise
             finally:
                 route = request.match_info.route.resource
                 name = route.canonical if route is not None else "unmatched"
-                self.requests.labels(request.method, name, str(status)).inc()
+                self.requests.labels(request.method, name, status).inc()
 
         return count
 

@@ -115,17 +115,24 @@ class StatusRoutes:
                                                        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         try:
             out, err = await asyncio.wait_for(process.communicate(), PLAN_TIMEOUT)
-        except (TimeoutError, asyncio.CancelledError):
-            with contextlib.suppress(ProcessLookupError):
-                process.kill()
-            await process.wait()
+        except TimeoutError:
+            await _kill(process)
             raise ApiError(504, f"plan took longer than {PLAN_TIMEOUT:.0f} s") from None
+        except asyncio.CancelledError:  # the client went away: no plan left running
+            await _kill(process)
+            raise
         try:
             result: dict[str, Any] = json.loads(out)
         except json.JSONDecodeError:
             message = err.decode(errors="replace").strip().splitlines()[-1:] or ["plan failed"]
             raise ApiError(500, message[0].removeprefix("error: ")) from None
         return result
+
+
+async def _kill(process: asyncio.subprocess.Process) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        process.kill()
+    await process.wait()
 
 
 def status_routes(app: web.Application, scheduler: Scheduler, catalog: Catalog, metrics: Metrics,
