@@ -127,6 +127,74 @@ def _host(env: Mapping[str, str]) -> tuple[str, int]:
     return parts.hostname or DEFAULT_HOST, port
 
 
+# Set by the parent for a runner it spawns (llm/runner_handle.py), read by the runner (server/parent.py)
+PARENT_PID_ENV = "OLLAMA_ENGINE_PARENT_PID"
+PARENT_DEATH_SIGNAL_ENV = "OLLAMA_ENGINE_PARENT_DEATH_SIGNAL"
+
+
+def _env(env: Mapping[str, str] | None) -> Mapping[str, str]:
+    return os.environ if env is None else env
+
+
+def debug(env: Mapping[str, str] | None = None) -> bool:
+    """OLLAMA_DEBUG: any value but empty, 0 or false turns on debug logs."""
+    return _var(_env(env), "OLLAMA_DEBUG").lower() not in ("", "0", "false")
+
+
+def models_dir(env: Mapping[str, str] | None = None) -> Path:
+    """OLLAMA_MODELS, else ~/.ollama/models (Ollama's envconfig.Models)."""
+    value = _var(_env(env), "OLLAMA_MODELS")
+    return Path(value).expanduser() if value else Path.home() / ".ollama" / "models"
+
+
+def noprune(env: Mapping[str, str] | None = None) -> bool:
+    """OLLAMA_NOPRUNE: keep the blobs a re-created model no longer uses."""
+    return bool(_var(_env(env), "OLLAMA_NOPRUNE"))
+
+
+def library_path(env: Mapping[str, str] | None = None) -> list[str]:
+    """OLLAMA_LIBRARY_PATH: where the GPU libraries were found, as the runner's /info reports it."""
+    return [p for p in _var(_env(env), "OLLAMA_LIBRARY_PATH").split(os.pathsep) if p]
+
+
+def build_dir(default: Path, env: Mapping[str, str] | None = None) -> Path:
+    """OLLAMA_ENGINE_BUILD_DIR: where build_ggml.py builds (default: the repository's build/)."""
+    value = _var(_env(env), "OLLAMA_ENGINE_BUILD_DIR")
+    return Path(value) if value else default
+
+
+def llama_cpp_source_override(env: Mapping[str, str] | None = None) -> Path | None:
+    """OLLAMA_ENGINE_LLAMA_CPP: a llama.cpp tree of one's own (build_ggml.py --source)."""
+    value = _var(_env(env), "OLLAMA_ENGINE_LLAMA_CPP")
+    return Path(value) if value else None
+
+
+def model_cache_dir(env: Mapping[str, str] | None = None) -> Path:
+    """OLLAMA_ENGINE_CACHE, else $XDG_CACHE_HOME/ollama-engine, else ~/.cache/ollama-engine: real models."""
+    env = _env(env)
+    root = _var(env, "OLLAMA_ENGINE_CACHE")
+    if root:
+        return Path(root)
+    xdg = _var(env, "XDG_CACHE_HOME")
+    return Path(xdg) / "ollama-engine" if xdg else Path.home() / ".cache" / "ollama-engine"
+
+
+def huge_pages(env: Mapping[str, str] | None = None) -> str:
+    """OLLAMA_ENGINE_HUGE_PAGES as written (ml/backend.py checks it against the modes it knows)."""
+    return _var(_env(env), "OLLAMA_ENGINE_HUGE_PAGES") or "collapse"
+
+
+def parent_pid(env: Mapping[str, str] | None = None) -> int | None:
+    """The serve a runner must not outlive (PARENT_PID_ENV), or None for a runner started by hand."""
+    value = _var(_env(env), PARENT_PID_ENV)
+    return int(value) if value.isdigit() else None
+
+
+def parent_death_signal(env: Mapping[str, str] | None = None) -> bool:
+    """Whether the parent lets the kernel signal the runner when the spawning thread ends."""
+    return _var(_env(env), PARENT_DEATH_SIGNAL_ENV) == "1"
+
+
 def rpc_servers(env: Mapping[str, str] | None = None) -> list[str]:
     """OLLAMA_RPC_SERVERS (ours, not Ollama's): `host:port,...` of ggml RPC servers whose devices join ours."""
     text = _var(os.environ if env is None else env, "OLLAMA_RPC_SERVERS")
@@ -178,12 +246,11 @@ class EnvConfig:
     def from_env(cls, env: Mapping[str, str] | None = None) -> EnvConfig:
         env = os.environ if env is None else env
         host, port = _host(env)
-        models = _var(env, "OLLAMA_MODELS")
         load_timeout = _duration(env, "OLLAMA_LOAD_TIMEOUT", DEFAULT_LOAD_TIMEOUT)
         return cls(
             host=host,
             port=port,
-            models=Path(models).expanduser() if models else Path.home() / ".ollama" / "models",
+            models=models_dir(env),
             keep_alive=_duration(env, "OLLAMA_KEEP_ALIVE", DEFAULT_KEEP_ALIVE),
             max_loaded_models=_uint(env, "OLLAMA_MAX_LOADED_MODELS", 0),
             num_parallel=max(_uint(env, "OLLAMA_NUM_PARALLEL", 1), 1),

@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+from ollama_engine import envconfig
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
-BUILD_DIR = Path(os.environ.get("OLLAMA_ENGINE_BUILD_DIR", REPO_ROOT / "build"))
+BUILD_DIR = envconfig.build_dir(REPO_ROOT / "build")
 SOURCE_ROOT = BUILD_DIR / "src"
 GGML_LIB_DIR = Path(__file__).resolve().parent / "ggml" / "lib"
 
 
 def llama_cpp_source() -> Path:
     """The llama.cpp tree that build_ggml.py extracted (or OLLAMA_ENGINE_LLAMA_CPP for --source builds)."""
-    override = os.environ.get("OLLAMA_ENGINE_LLAMA_CPP")
-    if override:
-        return Path(override)
+    override = envconfig.llama_cpp_source_override()
+    if override is not None:
+        return override
     marker = BUILD_DIR / "source-path.txt"
     if marker.exists():
         return Path(marker.read_text().strip())

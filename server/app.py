@@ -19,6 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
+from ollama_engine import envconfig
 from ollama_engine.ml import NoMemory, gpu_devices
 from ollama_engine.ml.memory import BackendMemory, DeviceInfo
 from ollama_engine.runner.allocate import LoadedModel, open_model
@@ -156,7 +157,7 @@ class RunnerServer:
         used = None
         if self.loaded is not None and self.loaded.model.backend.allocate:
             used = {gpu.device_id for gpu in self.loaded.model.backend.compute_devices}
-        library_path = [p for p in os.environ.get("OLLAMA_LIBRARY_PATH", "").split(os.pathsep) if p]
+        library_path = envconfig.library_path()
         return [
             DeviceInfo(
                 device_id=gpu.device_id, name=gpu.name, description=gpu.description,

@@ -13,8 +13,8 @@ import sys
 import threading
 import time
 
-PARENT_PID_ENV = "OLLAMA_ENGINE_PARENT_PID"  # set for the runner: the serve it must not outlive
-PARENT_DEATH_SIGNAL_ENV = "OLLAMA_ENGINE_PARENT_DEATH_SIGNAL"
+from ollama_engine import envconfig
+
 PARENT_POLL_INTERVAL = 0.5  # seconds between the runner's looks at its parent pid
 PR_SET_PDEATHSIG = 1
 
@@ -24,11 +24,10 @@ def watch_parent(interval: float = PARENT_POLL_INTERVAL) -> None:
     gigabytes outlives its serve. Linux's parent-death signal (prctl PR_SET_PDEATHSIG, SIGTERM) acts at once;
     a thread watching os.getppid() (re-parented to init or a subreaper) is the fallback everywhere, and covers
     a parent that died before the prctl. Without PARENT_PID_ENV (a runner started by hand) nothing is watched."""
-    expected = os.environ.get(PARENT_PID_ENV, "")
-    if not expected.isdigit():
+    parent = envconfig.parent_pid()
+    if parent is None:
         return
-    parent = int(expected)
-    if os.environ.get(PARENT_DEATH_SIGNAL_ENV) == "1":
+    if envconfig.parent_death_signal():
         _set_parent_death_signal(signal.SIGTERM)
     if os.getppid() != parent:
         _exit_orphaned(parent)

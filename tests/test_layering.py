@@ -91,3 +91,21 @@ def test_ruff_clean():
     command = [sys.executable, "-m", "ruff", "check", "--quiet", str(REPO_ROOT)]
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_environment_is_read_in_envconfig_alone():
+    """One place per decision: every OLLAMA_* (and the engine's own) variable is read by envconfig.py, so a
+    setting has one parser, one default and one docstring. Passing the environment on to a child is fine."""
+    readers = []
+    for module, path in source_modules():
+        if module == "ollama_engine.envconfig":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                target = ast.unparse(node.func)
+                if target in ("os.environ.get", "os.getenv", "environ.get"):
+                    readers.append(f"{module}:{node.lineno}")
+            elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load):
+                if ast.unparse(node.value) in ("os.environ", "environ"):
+                    readers.append(f"{module}:{node.lineno}")
+    assert not readers, f"read the environment through ollama_engine.envconfig instead: {readers}"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 
+from ollama_engine import envconfig
 from ollama_engine.envconfig import EnvConfig
 
 from .client_cli import call
@@ -25,8 +25,7 @@ def add_serve_commands(subparsers: argparse._SubParsersAction) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     from .serve import serve
 
-    debug = os.environ.get("OLLAMA_DEBUG", "").strip() not in ("", "0", "false")
-    if debug or args.verbose:
+    if envconfig.debug() or args.verbose:
         logging.getLogger().setLevel(logging.DEBUG)
     else:  # scheduling decisions (loads, reloads and why, evictions) are what an operator reads
         logging.getLogger("ollama_engine.sched").setLevel(logging.INFO)

@@ -20,6 +20,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from ollama_engine import envconfig
+
 log = logging.getLogger(__name__)
 
 
@@ -53,11 +55,7 @@ class RealModelUnavailable(RuntimeError):
 
 def cache_dir() -> Path:
     """OLLAMA_ENGINE_CACHE, else $XDG_CACHE_HOME/ollama-engine, else ~/.cache/ollama-engine; then models/."""
-    root = os.environ.get("OLLAMA_ENGINE_CACHE")
-    if not root:
-        xdg = os.environ.get("XDG_CACHE_HOME")
-        root = str(Path(xdg) / "ollama-engine") if xdg else str(Path.home() / ".cache" / "ollama-engine")
-    return Path(root) / "models"
+    return envconfig.model_cache_dir() / "models"
 
 
 def fetch(name: str, quiet: bool = False) -> Path:

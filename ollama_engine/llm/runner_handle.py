@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+from ollama_engine.envconfig import PARENT_DEATH_SIGNAL_ENV, PARENT_PID_ENV
 from ollama_engine.ml.memory import BackendMemory, DeviceInfo
-from ollama_engine.server.parent import PARENT_DEATH_SIGNAL_ENV, PARENT_PID_ENV
 from ollama_engine.server.wire import ServerStatus
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ollama_engine import ggml
+from ollama_engine import envconfig, ggml
 from ollama_engine.fs import GGUFFile
 from ollama_engine.ggml import GGMLType
 from ollama_engine.ggml import backend as ggml_backend
@@ -54,7 +54,7 @@ def huge_page_mode() -> str:
     there in a background thread once loaded, "fault" advises the buffers before loading (the load pays
     for compaction: 0.7 s of a 1B model's time to ready here), "off" keeps 4 KiB pages.
     """
-    mode = os.environ.get("OLLAMA_ENGINE_HUGE_PAGES", "collapse")
+    mode = envconfig.huge_pages()
     return mode if mode in HUGE_PAGE_MODES else "collapse"
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
 
+from ollama_engine.envconfig import models_dir, noprune
 from ollama_engine.fs import GGUFError, GGUFFile
 from ollama_engine.store import layout
 from ollama_engine.store.layout import (
@@ -55,8 +56,7 @@ GGUF_MAGIC = b"GGUF"
 
 def default_root() -> Path:
     """$OLLAMA_MODELS, else ~/.ollama/models (Ollama's envconfig.Models)."""
-    env = os.environ.get("OLLAMA_MODELS")
-    return Path(env).expanduser() if env else Path.home() / ".ollama" / "models"
+    return models_dir()
 
 
 @dataclass
@@ -472,7 +472,7 @@ class Store:
                 report({"status": layer.status})
         report({"status": "writing manifest"})
         self.write_manifest(name, config_layer, layers)
-        if old is not None and not os.environ.get("OLLAMA_NOPRUNE"):
+        if old is not None and not noprune():
             self._remove_unused(old.all_digests())
 
     def create_from_modelfile(self, model: str, modelfile: Modelfile, relative_dir: str | os.PathLike[str] = ".",
