@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import compileall
+import contextlib
 import json
 import os
 import platform
@@ -51,6 +52,7 @@ import statistics
 import subprocess
 import sys
 import time
+import zlib
 from collections.abc import Collection
 from importlib import metadata
 from pathlib import Path
@@ -91,6 +93,12 @@ MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
         {"n_layer": 16, "n_embd": 1024, "n_head": 16, "n_head_kv": 4, "head_dim": 128, "n_ff": 2048,
          "n_expert": 32, "n_expert_used": 4, "n_ff_exp": 512, "context_length": 40960, "name": "qwen3moe-1b"},
     ),
+    # LFM2-350M's shape (a hybrid: 10 short-convolution layers, 6 attention layers), GPT-2's vocabulary
+    "lfm2-350m": (
+        "lfm2", "Q8_0",
+        {"n_layer": 16, "n_embd": 1024, "n_head": 16, "n_head_kv": 8, "n_ff": 4608, "context_length": 32768,
+         "attention_layers": (2, 5, 8, 10, 12, 14), "name": "lfm2-350m"},
+    ),
 }
 GPU_MODEL = "llama-3.1-8b"
 
@@ -100,6 +108,31 @@ def log(message: str) -> None:
 
 
 # ---------------------------------------------------------------- models and prompts
+
+
+def random_q4_k_blocks() -> contextlib.AbstractContextManager[None]:
+    """While active, synthetic Q4_K matrices are random blocks (4-bit values and 6-bit scales drawn uniformly,
+    small block scales) instead of quantized Gaussian weights: the 8B-shaped file takes seconds, not the hour
+    quantizing 8 billion weights takes on 2 cores; the kernels' work is the same."""
+    from unittest import mock
+
+    import gguf
+
+    from ollama_engine.fs import synthetic
+
+    original = synthetic._values
+    d = np.array([1 / 4096, 1 / 2048], dtype=np.float16).view(np.uint8)  # d, dmin
+
+    def values(t: Any, spec: Any, seed: int) -> np.ndarray:
+        if t.qtype != gguf.GGMLQuantizationType.Q4_K or t.kind == "norm":
+            return original(t, spec, seed)
+        rows = int(np.prod(t.shape[1:]))
+        rng = np.random.default_rng([seed, zlib.crc32(t.name.encode())])
+        blocks = rng.integers(0, 256, size=(rows * t.shape[0] // 256, 144), dtype=np.uint8)
+        blocks[:, :4] = d
+        return blocks.reshape(rows, -1)
+
+    return mock.patch.object(synthetic, "_values", values)
 
 
 def ensure_model(name: str) -> Path:
@@ -112,7 +145,9 @@ def ensure_model(name: str) -> Path:
     if not path.exists():
         OUT.mkdir(parents=True, exist_ok=True)
         log(f"writing synthetic {name} ({weight_type}) to {path}")
-        write_synthetic(path, preset, weight_type=weight_type, seed=SEED, **overrides)
+        fast = random_q4_k_blocks() if name == "llama-3.1-8b" else contextlib.nullcontext()
+        with fast:
+            write_synthetic(path, preset, weight_type=weight_type, seed=SEED, **overrides)
     if overrides.get("tied_embeddings") and "output.weight" in GGUFFile.open(path).tensors:
         raise RuntimeError(f"{path} should have tied embeddings but has output.weight")
     return path
