@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from serve_process import serve_process
 
+from ollama_engine.fs import Config, GGUFFile
 from ollama_engine.fs.synthetic import write_synthetic
 from ollama_engine.models import load_model
 from ollama_engine.runner.embed import rerank, rerank_tokens
@@ -34,7 +35,8 @@ DOCUMENTS = [
     "a text that spells [SEP] and [CLS] as plain words",  # not parsed as special tokens, as in llama-server
     "The quick brown fox jumps over the lazy dog.",
 ]
-# largest |ours - llama.cpp| over the scores; measured on one thread: 0 for F32, F16 and Q8_0 (the same ggml
+# largest |ours - llama.cpp| over the scores; measured on one thread: 0 for F32, F16 and Q8_0 and for the
+# XLM-R vocabulary (the same ggml
 # operations in the same order). Flash attention is off on both sides: with it llama.cpp casts an encoder's
 # F32 K and V to F16 (llm_graph_context::build_attn_mha) and our attention does not, ~6e-4 apart.
 TOLERANCE = 1e-6
@@ -46,13 +48,14 @@ SERVE_TOLERANCE = 1e-5
 @pytest.fixture(scope="module")
 def reranker(tmp_path_factory: pytest.TempPathFactory):
     folder = tmp_path_factory.mktemp("rerank")
-    written: dict[str, Path] = {}
+    written: dict[tuple[str, str], Path] = {}
 
-    def write(weight_type: str = "F32") -> Path:
-        if weight_type not in written:
-            written[weight_type] = write_synthetic(folder / f"reranker-{weight_type}.gguf", "tiny-bert-reranker",
-                                                   weight_type=weight_type)
-        return written[weight_type]
+    def write(weight_type: str = "F32", vocab: str = "bert-bge") -> Path:
+        if (weight_type, vocab) not in written:
+            written[weight_type, vocab] = write_synthetic(
+                folder / f"reranker-{vocab}-{weight_type}.gguf", "tiny-bert-reranker", weight_type=weight_type,
+                vocab=vocab)
+        return written[weight_type, vocab]
 
     return write
 
@@ -116,9 +119,12 @@ class RankReference:
 
 
 @pytest.mark.reference
-@pytest.mark.parametrize("weight_type", ["F32", "F16", "Q8_0"])
-def test_scores_match_llama_cpp(reranker, weight_type):
-    path = reranker(weight_type)
+@pytest.mark.parametrize(("weight_type", "vocab"), [
+    ("F32", "bert-bge"), ("F16", "bert-bge"), ("Q8_0", "bert-bge"),  # BERT's WordPiece: [CLS] q [SEP] d
+    ("F16", "nomic-bert-moe"),  # XLM-R's Unigram (bge-reranker-v2-m3's): <s> q </s> d </s> (add_bos, add_eos)
+])
+def test_scores_match_llama_cpp(reranker, weight_type, vocab):
+    path = reranker(weight_type, vocab)
     model = load_model(path, num_threads=THREADS)
     model.backend.load()
     reference = RankReference(path, flash_attention=False)
@@ -135,6 +141,26 @@ def test_scores_match_llama_cpp(reranker, weight_type):
         difference = np.abs(np.array(ours) - np.array(theirs)).max()
         assert difference <= TOLERANCE, f"scores {ours} vs llama.cpp's {theirs}"
         assert len(set(ours)) == len(DOCUMENTS)  # the head separates the documents: the ordering test means something
+    finally:
+        reference.close()
+        model.close()
+
+
+@pytest.mark.reference
+def test_rerank_template_is_tokenized_as_llama_cpp(reranker):
+    """A file's tokenizer.chat_template.rerank: {query} and {document} put in, special tokens parsed, none
+    added (format_prompt_rerank's tokenize_input_subprompt(..., false, true))."""
+    path = reranker()
+    template = "[CLS] query: {query} [SEP] document: {document} [SEP]"
+    model = load_model(path, num_threads=THREADS, allocate=False)
+    reference = RankReference(path, flash_attention=False)
+    try:
+        config = Config({**GGUFFile.open(path).metadata, "tokenizer.chat_template.rerank": template})
+        for document in DOCUMENTS:
+            prompt = template.replace("{query}", QUERY).replace("{document}", document).encode()
+            buffer = (reference.lib.llama_token * (len(prompt) + 8))()
+            n = reference.lib.llama_tokenize(reference.vocab, prompt, len(prompt), buffer, len(buffer), False, True)
+            assert rerank_tokens(model.tokenizer, config, QUERY, document) == list(buffer[:n])
     finally:
         reference.close()
         model.close()

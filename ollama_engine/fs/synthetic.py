@@ -1045,8 +1045,8 @@ def _tokenizer_values(spec: ModelSpec) -> dict[str, tuple[Any, GGUFValueType, GG
     values = {
         key: (value, *source.value_types[key]) for key, value in source.metadata.items() if key.startswith("tokenizer.")
     }
-    if spec.arch in _BERT_ARCHITECTURES and "tokenizer.ggml.token_type_count" not in values:
-        values["tokenizer.ggml.token_type_count"] = (2, GGUFValueType.UINT32, None)
+    if (spec.arch in _BERT_ARCHITECTURES and "tokenizer.ggml.token_type_count" not in values) or spec.arch == "bert":
+        values["tokenizer.ggml.token_type_count"] = (2, GGUFValueType.UINT32, None)  # bert: token_types' 2 rows
 
     n_tokens = len(values["tokenizer.ggml.tokens"][0])
     n_vocab = spec.n_vocab if spec.n_vocab is not None else n_tokens
