@@ -121,7 +121,8 @@ def random_q4_k_blocks() -> contextlib.AbstractContextManager[None]:
     from ollama_engine.fs import synthetic
 
     original = synthetic._values
-    d = np.array([1 / 4096, 1 / 2048], dtype=np.float16).view(np.uint8)  # d, dmin
+    # d and dmin: a weight is d * scale * q - dmin * min, zero on average with dmin = 7.5 d (q averages 7.5)
+    d = np.array([1 / 4096, 7.5 / 4096], dtype=np.float16).view(np.uint8)
 
     def values(t: Any, spec: Any, seed: int) -> np.ndarray:
         if t.qtype != gguf.GGMLQuantizationType.Q4_K or t.kind == "norm":
