@@ -305,6 +305,15 @@ def test_not_a_reranker_or_missing(http, tmp_path):
     assert response.status_code == 400 and "error" in response.json()
 
 
+def test_embed_on_a_reranker_is_400(http, reranker):
+    model = str(reranker())
+    message = f'"{model}" is a reranker, not an embedding model: use /api/rerank or /v1/rerank'
+    response = http.post("/api/embed", json={"model": model, "input": "hello"})
+    assert response.status_code == 400 and response.json() == {"error": message}
+    response = http.post("/v1/embeddings", json={"model": model, "input": "hello"})
+    assert response.status_code == 400 and response.json()["error"]["message"] == message
+
+
 def test_too_long_pair_is_400(http, reranker):
     response = http.post("/api/rerank", json={"model": str(reranker()), "query": QUERY,
                                               "documents": ["word " * 600], "options": {"num_ctx": 512}})

@@ -79,6 +79,9 @@ class EmbedRoutes:
     async def embed_texts(self, entry: Entry, texts: list[str], opts: Options, keep_alive: float | None,
                           truncate: bool = True) -> tuple[list[list[float]], int, float]:
         """(raw vectors, prompt tokens, load seconds) for `texts`, on one scheduled runner."""
+        if entry.view.reranker:  # its pooled output is a relevance score, not an embedding
+            raise ApiError(400, f'"{entry.requested or entry.name}" is a reranker, not an embedding model: '
+                                f'use /api/rerank or /v1/rerank')
         ctx = Context()
         start = time.monotonic()
         try:
