@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 from serve_process import serve_process
+from test_embeddings import serve as runner_serve
 
 from ollama_engine.fs import Config, GGUFFile
 from ollama_engine.fs.synthetic import write_synthetic
@@ -178,6 +180,24 @@ def test_pair_is_cls_query_sep_document(reranker):
         assert tokens.count(tokenizer.vocab.sep_id) == 1  # the document's "[SEP]" stays text
     finally:
         model.close()
+
+
+def test_runner_rerank_route(reranker, tmp_path):
+    """The runner's /rerank (ours): the in-process scores; a bad body is a 400; a non-reranker a 501."""
+    path = reranker()
+    model = load_model(path, num_threads=THREADS)
+    model.backend.load()
+    try:
+        want = rerank(model, QUERY, DOCUMENTS[0], CONTEXT)
+    finally:
+        model.close()
+    pair = json.dumps({"query": QUERY, "document": DOCUMENTS[0]}).encode()
+    (status, body), bad = runner_serve(path, [("/rerank", pair), ("/rerank", b'{"query": 1}')])
+    assert status == 200 and json.loads(body)["prompt_eval_count"] == want.prompt_eval_count
+    np.testing.assert_array_equal(np.array(json.loads(body)["embedding"], dtype=np.float32), want.vector)
+    assert bad[0] == 400 and bad[1].startswith(b"bad request: query")
+    bert = write_synthetic(tmp_path / "bert.gguf", "tiny-bert")
+    assert runner_serve(bert, [("/rerank", pair)]) == [(501, b"this model does not support reranking\n")]
 
 
 # ---------------------------------------------------------------- through serve
