@@ -46,8 +46,8 @@ def bert(tmp_path_factory: pytest.TempPathFactory):
     return write
 
 
-def open_model(path: Path):
-    model = load_model(path, num_threads=THREADS)
+def open_model(path: Path, flash: bool = False):
+    model = load_model(path, num_threads=THREADS, flash_attention=flash)
     model.backend.load()
     return model
 
@@ -55,14 +55,16 @@ def open_model(path: Path):
 @pytest.mark.reference
 @pytest.mark.parametrize("weight_type", ["F32", "F16"])
 @pytest.mark.parametrize("pooling", [Pooling.MEAN, Pooling.CLS, Pooling.LAST])
-def test_embeddings_match_llama_cpp(bert, weight_type, pooling):
+@pytest.mark.parametrize("flash", [False, True], ids=["matmul", "flash"])
+def test_embeddings_match_llama_cpp(bert, weight_type, pooling, flash):
+    """With flash attention (serve's default), the encoder's F32 keys and values go to F16 as llama.cpp's."""
     import llama_cpp
 
     path = bert(weight_type, pooling)
-    model = open_model(path)
+    model = open_model(path, flash)
     reference = llama_cpp.Llama(
         model_path=str(path), embedding=True, pooling_type=int(pooling), n_ctx=CONTEXT, n_batch=CONTEXT,
-        n_ubatch=CONTEXT, n_threads=THREADS, n_threads_batch=THREADS, verbose=False,
+        n_ubatch=CONTEXT, n_threads=THREADS, n_threads_batch=THREADS, verbose=False, flash_attn=flash,
     )
     try:
         for prompt in PROMPTS:
