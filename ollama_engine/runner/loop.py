@@ -34,7 +34,7 @@ from ollama_engine.runner.allocate import LoadedModel
 from ollama_engine.runner.cache import TO_END, ReprocessInputsError
 from ollama_engine.runner.inputs import Input
 from ollama_engine.runner.sequence import DoneReason, Piece, Sequence, SequenceOptions, fit_prompt
-from ollama_engine.runner.speculate import DEFAULT_DRAFT, MAX_DRAFT, Speculator, verify_rows
+from ollama_engine.runner.speculate import DEFAULT_DRAFT, MAX_DRAFT, Speculator, StepCost, verify_rows
 from ollama_engine.sample import GrammarError, GrammarVocab, NonFiniteLogitsError, calculate_logprobs
 
 log = logging.getLogger(__name__)
@@ -72,6 +72,7 @@ class Runner:
         self.closing = False
         self.spec_rows = verify_rows(self.model)
         """Most rows of a batch holding drafts (0: no exact speculation for this model; runner/speculate.py)."""
+        self.step_cost = StepCost()
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self._builder = threading.Thread(target=self._run, name="batch-builder", daemon=True)
 
@@ -268,7 +269,10 @@ class Runner:
             placeholders = self._advance(state)
             state.graph.bind(state.batch)
             state.compute_started.set()
+            started = time.monotonic()
             logits = state.graph.run()  # a copy: the batch builder may compute a cache shift while we sample
+            if len(state.batch.outputs) == len(state.batch) <= self.spec_rows:  # decode rows only
+                self.step_cost.record(len(state.batch), time.monotonic() - started)
             now = time.monotonic()
             with self.cond, self.hold_output():
                 for index, (placeholder, row) in placeholders.items():
@@ -355,7 +359,7 @@ class Runner:
         limit = min(self.spec_rows - 1, self.num_ctx - len(slot.inputs) - 1)
         if seq.options.num_predict > 0:
             limit = min(limit, seq.options.num_predict - seq.num_predicted - 1)
-        proposed = self._checked(seq, spec.propose(limit))
+        proposed = self._checked(seq, spec.propose(limit, self.step_cost))
         if not spec.waiting:
             return
         spec.waiting = False

@@ -24,8 +24,13 @@ without speculation: same seed, same tokens, and the output distribution is the 
 
 A grammar only trims drafts (llguidance's validate_tokens): each row is sampled under the grammar anyway.
 
-Adaptive: a sequence whose drafts are mostly rejected stops looking (for 16, then 32 ... 256 tokens), so a
-request that does not repeat itself runs as plain decoding, with the batch pipeline's overlap.
+Adaptive: on the CPU a verified row can cost nearly what a decode step costs (quantized matmul is computed
+row by row; a busy machine is compute-bound), so a wrong draft may be paid in full. The runner measures what
+batches of 1, 2, ... rows of decode steps cost (`StepCost`); each sequence estimates the chance that a draft
+token is kept, and drafts the k tokens that maximise expected tokens per second, (1 + a + ... + a^k) / t(1+k),
+only if that beats a decode step's 1 / t(1) by a margin. A sequence whose drafts do not pay stops looking
+(for 16, then 32 ... 256 tokens): a request that does not repeat itself runs as plain decoding, with the
+pipeline's overlap.
 """
 
 from __future__ import annotations
@@ -37,16 +42,18 @@ from ollama_engine.ml import DType
 
 log = logging.getLogger(__name__)
 
-NGRAM_SIZES = (4, 3, 2)
+NGRAM_SIZES = (4, 3)
 """n-gram lengths looked up, longest first (a longer match predicts better)."""
 DEFAULT_DRAFT = 8
 """Drafted tokens per step when the request does not set draft_num_predict (the row cap may lower it)."""
 MAX_DRAFT = 32
 ROWS_REPACKED = 3  # every row of a batch of at most 3 takes a repacked type's one-row kernel
 ROWS_QUANTIZED = 7  # below 8 rows, other quantized types use the kernel a decode step uses
-LOW_ACCEPTANCE = 0.3
-"""Below this share of accepted drafts (moving average) a sequence pauses speculation."""
+MARGIN = 1.1
+"""Speculate only where the expected tokens per second beat plain decoding's by this factor (a step that waits
+for its token loses the pipeline's overlap of graph building and compute)."""
 FIRST_PAUSE, LONGEST_PAUSE = 16, 256
+DECAY = 0.8  # weight of the past in the acceptance counts and the step costs
 _FULL_PRECISION = {DType.F32, DType.F16, DType.BF16}
 
 
@@ -59,6 +66,28 @@ def verify_rows(model) -> int:
     if any(len(t.ne) >= 2 and t.ne[1] > 1 and t.dtype in _FULL_PRECISION for t in backend.weights.values()):
         return 0
     return ROWS_REPACKED if backend.repacked_weights() else ROWS_QUANTIZED
+
+
+class StepCost:
+    """Seconds a batch of n decode rows (1 + drafts) takes to compute, as moving averages per n."""
+
+    def __init__(self) -> None:
+        self._seconds: dict[int, float] = {}
+
+    def record(self, rows: int, seconds: float) -> None:
+        old = self._seconds.get(rows)
+        self._seconds[rows] = seconds if old is None else DECAY * old + (1 - DECAY) * seconds
+
+    def estimate(self, rows: int) -> float | None:
+        """Measured, or from the nearest measured sizes (assuming each extra row costs half a step: optimistic,
+        so that an unmeasured size gets tried); None before any decode step was measured."""
+        if rows in self._seconds:
+            return self._seconds[rows]
+        below = [n for n in self._seconds if n < rows]
+        if not below:
+            return None
+        n = max(below)
+        return self._seconds[n] * (1 + 0.5 * (rows - n) / n)
 
 
 class NgramIndex:
@@ -106,7 +135,8 @@ class Speculator:
     """The last lookup found a draft: the next step should wait for its token and speculate."""
     in_flight: list[int] = field(default_factory=list)
     """The drafts in the batch being computed, after the sampled token in its first row."""
-    _average: float = 1.0
+    _kept: float = 4.0  # decayed counts of kept and rejected draft tokens: the chance a draft token is kept
+    _missed: float = 1.0
     _pause: int = 0
     _next_pause: int = FIRST_PAUSE
 
@@ -114,15 +144,37 @@ class Speculator:
     def of(cls, prompt: list[int], max_draft: int) -> Speculator:
         return cls(NgramIndex(prompt), max_draft)
 
-    def propose(self, limit: int) -> list[int]:
+    def propose(self, limit: int, cost: StepCost) -> list[int]:
         """Drafts to follow the last token (at most `limit`); records whether the next step should wait."""
+        self.want = False
         if self._pause > 0:
             self._pause -= 1
-            self.want = False
             return []
-        drafts = self.index.draft(min(limit, self.max_draft)) if limit > 0 else []
+        k = self.worth(min(limit, self.max_draft), cost)
+        if k == 0:
+            self._start_pause()
+            return []
+        drafts = self.index.draft(k)
         self.want = bool(drafts)
         return drafts
+
+    def worth(self, limit: int, cost: StepCost) -> int:
+        """The draft length with the most expected tokens per second, 0 if none beats plain decoding."""
+        single = cost.estimate(1)
+        if limit <= 0 or single is None:
+            return min(limit, 1)
+        chance = self._kept / (self._kept + self._missed)
+        best, best_rate, expected = 0, MARGIN / single, 1.0
+        for k in range(1, limit + 1):
+            expected += chance**k
+            seconds = cost.estimate(1 + k)
+            if seconds is not None and expected / seconds > best_rate:
+                best, best_rate = k, expected / seconds
+        return best
+
+    def _start_pause(self) -> None:
+        self._pause, self._next_pause = self._next_pause, min(2 * self._next_pause, LONGEST_PAUSE)
+        self._kept, self._missed = 4.0, 1.0  # try again afterwards with the first estimate
 
     def record(self, drafted: int, accepted: int) -> None:
         """One verification: `accepted` of `drafted` tokens kept. Pauses the sequence if acceptance is low."""
@@ -131,12 +183,9 @@ class Speculator:
         self.steps += 1
         self.drafted += drafted
         self.accepted += accepted
-        self._average = 0.7 * self._average + 0.3 * (accepted / drafted)
-        if self._average < LOW_ACCEPTANCE:
-            self._pause, self._next_pause = self._next_pause, min(2 * self._next_pause, LONGEST_PAUSE)
-            self._average = 1.0
-            self.want = False
-        elif accepted == drafted:
+        self._kept = DECAY * self._kept + accepted
+        self._missed = DECAY * self._missed + (accepted < drafted)
+        if accepted == drafted:
             self._next_pause = FIRST_PAUSE
 
     @property

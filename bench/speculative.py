@@ -1,0 +1,154 @@
+"""N-gram speculative decoding against plain decoding, in one process, A/B interleaved.
+
+Usage:
+    .venv/bin/python bench/speculative.py [--models smollm2-135m-instruct,gemma-3-270m] [--rounds 4]
+        [--threads 2] [--llama-cpp]
+
+Two tasks, greedy, through the runner's batch loop (runner/loop.py, in process, no HTTP):
+  (a) copy: a ~1000-token text (this repository's DESIGN notes) to be repeated exactly; 256 tokens generated;
+  (b) chat: a free story prompt; 160 tokens generated.
+Each round runs every (task, plain|spec) once, the order of plain and spec swapped every round, so that the
+drift of a shared machine hits both sides of a round alike; a prompt-cache hit makes every prompt evaluation
+after the first short, and only the decode phase is timed (first token to last, sampling and lookups
+included). Reported: the median tokens/s of each side, the median of the per-round ratios, the acceptance
+(accepted / drafted tokens), and that the spec run's tokens equal the plain run's.
+
+--llama-cpp adds llama-cpp-python's own prompt-lookup speculation (Llama(draft_model=
+LlamaPromptLookupDecoding)), same GGUF and threads, plain and speculative, interleaved the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from ollama_engine.fs.real_models import fetch  # noqa: E402
+from ollama_engine.runner.allocate import LoadParams, open_model  # noqa: E402
+from ollama_engine.runner.loop import Runner  # noqa: E402
+from ollama_engine.runner.sequence import SequenceOptions  # noqa: E402
+from ollama_engine.sample import Sampler  # noqa: E402
+
+
+def copy_text(tokenizer, tokens: int = 1000) -> str:
+    """About `tokens` tokens of plain prose from the design notes (their first paragraphs, markup removed)."""
+    lines = [line for line in (ROOT / "README.md").read_text().splitlines()
+             if line and not line.startswith(("#", "|", "```", "-", "    ", "<"))]
+    text = ""
+    for line in lines:
+        text += line + "\n"
+        if len(tokenizer.encode(text, add_special=False)) >= tokens:
+            break
+    return text
+
+
+def chat(tokenizer, user: str) -> str:
+    """The user message in the model's chat template (SmolLM2's ChatML or Gemma's turns)."""
+    if tokenizer.vocab.tokens.count("<start_of_turn>"):
+        return f"<start_of_turn>user\n{user}<end_of_turn>\n<start_of_turn>model\n"
+    return f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def run(runner: Runner, prompt: str, spec: bool, n: int) -> tuple[float, list[int], int, int]:
+    """tokens/s of the decode phase, the tokens, drafted and accepted counts."""
+    done, tokens = threading.Event(), []
+    options = SequenceOptions(sampler=Sampler(temperature=0), num_predict=n, spec_ngram=spec, logprobs=True)
+
+    def sink(piece) -> None:
+        if piece is None:
+            done.set()
+        else:
+            tokens.extend(e["token"] for e in piece.logprobs)
+
+    seq = runner.new_sequence(prompt, options)
+    runner.add(seq, sink)
+    done.wait()
+    seconds = seq.last_updated_at - (seq.started_at or 0)
+    drafted, accepted = (seq.spec.drafted, seq.spec.accepted) if seq.spec else (0, 0)
+    return (seq.num_predicted - 1) / seconds, tokens, drafted, accepted
+
+
+class LlamaCppSide:
+    """llama-cpp-python's high-level Llama, with and without its prompt-lookup draft model."""
+
+    def __init__(self, path: Path, threads: int) -> None:
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        common = dict(model_path=str(path), n_ctx=4096, n_batch=512, n_threads=threads, n_threads_batch=threads,
+                      verbose=False, flash_attn=True)
+        self.plain = Llama(**common)
+        self.spec = Llama(**common, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10))
+
+    def run(self, prompt: str, spec: bool, n: int) -> float:
+        llm = self.spec if spec else self.plain
+        llm.create_completion(prompt, max_tokens=1, temperature=0)  # the prompt evaluated (and cached)
+        start = time.perf_counter()
+        out = llm.create_completion(prompt, max_tokens=n, temperature=0)
+        return out["usage"]["completion_tokens"] / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", default="smollm2-135m-instruct,gemma-3-270m")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--llama-cpp", action="store_true")
+    args = parser.parse_args()
+    for name in args.models.split(","):
+        path = fetch(name, quiet=True)
+        params = LoadParams(parallel=1, batch_size=512, kv_size=4096, num_threads=args.threads, flash_attention=1)
+        loaded = open_model(str(path), params, allocate=True)
+        loaded.model.backend.load()
+        runner = Runner(loaded, lambda err: sys.exit(f"runner failed: {err}"))
+        runner.start()
+        tokenizer = loaded.model.tokenizer
+        text = copy_text(tokenizer)
+        tasks = {
+            "copy": (chat(tokenizer, "Repeat the following text exactly, word for word:\n\n" + text), 256),
+            "chat": (chat(tokenizer, "Write a short story about a dragon who learns to bake bread."), 160),
+        }
+        n_prompt = {task: len(tokenizer.encode(prompt, add_special=True)) for task, (prompt, _) in tasks.items()}
+        llama = LlamaCppSide(path, args.threads) if args.llama_cpp else None
+        for task, (prompt, n) in tasks.items():
+            run(runner, prompt, False, 4)  # warm: the prompt in the cache
+            plain, spec, ratios, accept, same = [], [], [], [], True
+            lc_plain, lc_spec = [], []
+            for r in range(args.rounds):
+                order = (False, True) if r % 2 == 0 else (True, False)
+                results = {}
+                for side in order:
+                    started = time.perf_counter()
+                    results[side] = run(runner, prompt, side, n)
+                    print(f"  round {r} {task} {'spec' if side else 'plain'}: {results[side][0]:.1f} tok/s "
+                          f"({time.perf_counter() - started:.1f} s)", file=sys.stderr, flush=True)
+                    if llama is not None:
+                        (lc_spec if side else lc_plain).append(llama.run(prompt, side, n))
+                plain.append(results[False][0])
+                spec.append(results[True][0])
+                ratios.append(results[True][0] / results[False][0])
+                drafted, accepted = results[True][2], results[True][3]
+                accept.append(accepted / drafted if drafted else 0.0)
+                same &= results[True][1] == results[False][1]
+            line = (f"{name} {task} (prompt {n_prompt[task]}, {n} generated): plain {statistics.median(plain):.1f} "
+                    f"tok/s, spec {statistics.median(spec):.1f} tok/s, ratio median {statistics.median(ratios):.2f} "
+                    f"(min {min(ratios):.2f}, max {max(ratios):.2f}), acceptance {statistics.median(accept):.0%}, "
+                    f"tokens equal: {same}, rows cap {runner.spec_rows}")
+            if llama is not None:
+                line += (f"; llama-cpp-python plain {statistics.median(lc_plain):.1f}, prompt lookup "
+                         f"{statistics.median(lc_spec):.1f} tok/s "
+                         f"(x{statistics.median(s / p for s, p in zip(lc_spec, lc_plain, strict=True)):.2f})")
+            print(line, flush=True)
+        runner.close()
+        loaded.close()
+
+
+if __name__ == "__main__":
+    main()
