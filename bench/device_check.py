@@ -1,0 +1,600 @@
+#!/usr/bin/env python3
+"""One command for a lent GPU machine: build ggml with CUDA and llama.cpp's tools, then check the GPU paths.
+
+    python bench/device_check.py pack             # HERE, once before a device run: fills .device-check/ (carried)
+    python bench/device_check.py                  # THERE: build for the visible GPU, run every step (~9 min)
+    python bench/device_check.py --cpu [--quick]  # here: every step that needs no CUDA (CI runs --cpu --quick)
+
+A device run (no network there, 16 cores, nvcc and CMake) first builds, in one CMake tree from the pinned
+source, ggml with CUDA for the one architecture nvidia-smi reports, libllama (the reference for parity) and
+llama-bench / llama-server, only those targets, on every core; our cffi bindings are compiled against that
+same ggml. Meanwhile the synthetic 8B-shaped Q4_K model is written. Then the steps, each in its own process
+with its own time bound (a hung GPU call costs that step, not the run):
+
+  1. parity:  logprobs of ours against llama.cpp's on the same device (stated tolerance), greedy tokens,
+              and a sequence batched with another == the same sequence alone;
+  2. memory:  fit == alloc; the per-device estimate against what the device reports after load (NVML),
+              full and partial offload;
+  3. layout:  `plan`'s load loop: num_gpu auto, partial (num_gpu N), and a context that does not fit;
+  4. speed:   pp512 / tg128 of ours against llama-bench, full and partial offload;
+  5. serve:   serve against llama-server at 1 and 4 streams, interleaved (bench/serve_bench.py);
+  6. bigbatch: TODO (issue 33's step 5: layers left on the CPU, big batches computed on the CPU or the GPU).
+
+Results: <out>/device-check.json (every step's numbers) and <out>/summary.md; logs in <out>/build.log and
+<out>/steps.log. <out> is --out, else $OUT (the device tool's folder that comes back), else
+bench/out/device-check.
+
+What must travel: the device tool sends the working tree (64 MiB in all) and nothing can be fetched there.
+The pinned llama.cpp source (74 MB sdist), the Python packages the device image lacks, and the real models do
+not fit as they are, so `pack` writes .device-check/ (git-ignored; name it in `carry`): a pruned source
+tarball (the folders the build needs), the llama_cpp Python bindings from the sdist, and wheels for what the
+image lacks (cffi, pycparser, gguf, llguidance, diskcache). The real models are 98 MB (SmolLM2) and 253 MB
+(Gemma 3), over the limit on their own: parity runs them where they are in the real-model cache (--models
+DIR, else ollama_engine.fs.real_models' cache) and reports them as skipped, with their size, where they are
+absent; the synthetic 8B model is written there, not carried.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path[:0] = [str(HERE), str(ROOT), str(ROOT / "tests")]  # bench.py, the engine, the tests' helpers
+
+PACK = ROOT / ".device-check"  # what `pack` writes here and the device run reads there
+DEVICE_BUILD = ROOT / "build" / "device-cuda"
+BUILD_TARGETS = ("ggml", "llama", "llama-bench", "llama-server")
+SOURCE_PARTS = ("CMakeLists.txt", "cmake", "common", "ggml", "include", "src", "tools", "vendor", "licenses",
+                "LICENSE", "build-xcframework.sh")
+WHEELS = ("cffi==2.0.0", "pycparser==2.23", "gguf==0.17.1", "llguidance==1.3.0", "diskcache==5.6.3")
+CPU_TOLERANCE = 1e-4  # the parity tests' bound on the CPU: same kernels, same batches
+GPU_TOLERANCE = 2e-3  # on CUDA the same graph may be split or reduced differently by batch size
+REAL = ("smollm2-135m-instruct", "gemma-3-270m")
+SYNTHETIC_8B = "llama-3.1-8b"
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    seconds: int  # the step's own time bound on the GPU and in --quick (its process is killed past it)
+    cpu_seconds: int  # the bound in --cpu (full): the synthetic 8B model computes on this machine's cores
+    needs_cuda: bool
+    quick: bool  # part of --quick
+
+
+STEPS = (
+    Step("parity", 100, 900, False, True),
+    Step("memory", 50, 120, False, True),
+    Step("layout", 40, 120, False, True),
+    Step("speed", 70, 70, True, False),
+    Step("serve", 80, 80, True, False),
+    Step("bigbatch", 5, 5, True, False),
+)
+BUILD_SECONDS = 300
+
+
+def log(message: str) -> None:
+    print(f"[device-check {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- pack (here)
+
+
+def llama_tree() -> Path:
+    """The pinned llama.cpp tree build_ggml.py extracted under build/src (fetching it if needed)."""
+    import build_ggml
+
+    return build_ggml.fetch_source(build_ggml.read_pin())
+
+
+def pack(wheels: bool) -> int:
+    """Write .device-check/: the pruned source, the llama_cpp bindings and the wheels; print its size."""
+    tree = llama_tree()
+    PACK.mkdir(exist_ok=True)
+    exclude = ROOT / ".git" / "info" / "exclude"
+    if exclude.exists() and "/.device-check/" not in exclude.read_text():
+        with exclude.open("a") as out:
+            out.write("/.device-check/\n")
+    log("packing the llama.cpp source the build needs")
+    with tarfile.open(PACK / "llama-src.tar.gz", "w:gz") as archive:
+        for part in SOURCE_PARTS:
+            if (tree / part).exists():
+                archive.add(tree / part, arcname=f"llama.cpp/{part}",
+                            filter=lambda info: None if "/webui/node_modules" in info.name else info)
+    bindings = tree.parents[1] / "llama_cpp"
+    shutil.rmtree(PACK / "llama_cpp", ignore_errors=True)
+    shutil.copytree(bindings, PACK / "llama_cpp", ignore=shutil.ignore_patterns("lib", "__pycache__", "*.so"))
+    if wheels:
+        (PACK / "wheels").mkdir(exist_ok=True)
+        platforms = [f"--platform=manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34)] + [
+            "--platform=manylinux2014_x86_64"]
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                        "--python-version", "3.12", "--implementation", "cp", *platforms,
+                        "-d", str(PACK / "wheels"), *WHEELS], check=True)
+    size = sum(f.stat().st_size for f in PACK.rglob("*") if f.is_file())
+    print(json.dumps({"pack": str(PACK), "bytes": size, "limit": 64 << 20}))
+    return 0
+
+
+def install_pack() -> None:
+    """There: the carried wheels into a site folder, and the llama_cpp bindings, on this process's path."""
+    site = Path("/tmp/device-check-site")
+    wheels = sorted((PACK / "wheels").glob("*.whl"))
+    if wheels and not site.exists():
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                        "--target", str(site), *map(str, wheels)], check=True)
+    paths = [str(site), str(PACK)]
+    os.environ["PYTHONPATH"] = os.pathsep.join(paths + [str(ROOT), os.environ.get("PYTHONPATH", "")])
+    sys.path[:0] = paths
+
+
+# ---------------------------------------------------------------- build (there)
+
+
+def cuda_arch() -> str:
+    """The visible GPU's compute capability, e.g. '90a' for an H100 (Hopper's arch-specific kernels)."""
+    out = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+                         capture_output=True, text=True, check=True).stdout.split()
+    arch = out[0].replace(".", "")
+    return arch + "a" if arch == "90" else arch
+
+
+def source_tree() -> Path:
+    """build/src's tree where it exists (here), else the carried pruned tarball unpacked (there)."""
+    import build_ggml
+
+    tree = build_ggml.BUILD / "src" / build_ggml.read_pin()["llama_cpp_dir"]
+    if tree.joinpath("ggml", "include", "ggml.h").exists():
+        return tree
+    tarball = PACK / "llama-src.tar.gz"
+    if not tarball.exists():
+        raise RuntimeError(f"no llama.cpp source: run `python bench/device_check.py pack` here and carry {PACK.name}")
+    target = Path("/tmp/device-check-src")
+    if not target.joinpath("llama.cpp").exists():
+        with tarfile.open(tarball) as archive:
+            archive.extractall(target, filter="data")
+    return target / "llama.cpp"
+
+
+def build(jobs: int, log_path: Path) -> dict[str, Any]:
+    """ggml (CUDA), libllama, llama-bench and llama-server in one tree; our bindings against its ggml."""
+    import build_ggml
+
+    tree, arch, started = source_tree(), cuda_arch(), time.monotonic()
+    options = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON", "-DGGML_NATIVE=ON", "-DGGML_CUDA=ON",
+               f"-DCMAKE_CUDA_ARCHITECTURES={arch}", "-DGGML_RPC=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
+               "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=ON",
+               "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_COMMON=ON", "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON",
+               "-DCMAKE_INSTALL_RPATH=$ORIGIN", *build_ggml.compiler_cmake_args()]
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    with log_path.open("a") as out:
+        for command in (["cmake", "-S", str(tree), "-B", str(DEVICE_BUILD), *generator, *options],
+                        ["cmake", "--build", str(DEVICE_BUILD), "-j", str(jobs), "--target", *BUILD_TARGETS]):
+            left = BUILD_SECONDS - (time.monotonic() - started)
+            subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, check=True, timeout=max(left, 1))
+    bin_dir = DEVICE_BUILD / "bin"
+    shutil.rmtree(build_ggml.LIB_DIR, ignore_errors=True)
+    build_ggml.LIB_DIR.mkdir(parents=True)
+    built = sorted(bin_dir.glob("libggml*.so*"))
+    for lib in built:
+        shutil.copy2(lib, build_ggml.LIB_DIR / lib.name, follow_symlinks=False)
+    build_ggml.compile_bindings(tree, sorted({lib.name[3:].split(".so")[0] for lib in built}))
+    os.environ["LLAMA_CPP_LIB_PATH"] = str(bin_dir)  # the reference's libllama, on the same ggml
+    return {"arch": arch, "seconds": round(time.monotonic() - started, 1), "targets": list(BUILD_TARGETS)}
+
+
+# ---------------------------------------------------------------- steps (each in its own process)
+
+
+def model_paths(args: argparse.Namespace) -> dict[str, Path | str]:
+    """name -> path for the models this run checks, or name -> why it is absent."""
+    from ollama_engine.fs.real_models import REAL_MODELS, cache_dir
+
+    folder = args.models or cache_dir()
+    found: dict[str, Path | str] = {}
+    for name in REAL[:1] if args.quick else REAL:
+        path = folder / REAL_MODELS[name].filename
+        found[name] = path if path.exists() else (
+            f"{REAL_MODELS[name].filename} ({REAL_MODELS[name].size / 1e6:.0f} MB) not in {folder}: too big to "
+            f"travel in the device tool's 64 MiB tree; put it there with --models")
+    if not args.quick:
+        from bench import ensure_model
+
+        found[SYNTHETIC_8B] = ensure_model(SYNTHETIC_8B)
+    return found
+
+
+def gpu_layout(path: Path, count: int | None) -> list:
+    """The first GPU holding the last `count` layers (all when None); empty on a machine without one."""
+    from ollama_engine.fs import GGUFFile
+    from ollama_engine.ml import gpu_devices
+    from ollama_engine.ml.memory import GPULayers
+
+    gpus = gpu_devices()
+    if not gpus:
+        return []
+    layers = GGUFFile.open(path).config.block_count + 1  # the output layer counts as one, as Ollama's do
+    count = layers if count is None else count
+    return [GPULayers(gpus[0].device_id, list(range(layers - count, layers)))]
+
+
+def threads(args: argparse.Namespace) -> int | None:
+    """One compute thread in --cpu mode: ggml's spinning barriers crawl on a shared, busy machine (a 3-token
+    batch took 13 s with 2 threads at load 15 here); the GPU run keeps the default."""
+    return 1 if args.cpu else None
+
+
+def logits_run(path: Path, gpu_layers: list, texts: list[list[int]], steps: int,
+               num_threads: int | None) -> list[np.ndarray]:
+    """Ours: the prompts in llama.cpp's split, then `steps` greedy decodes; per step, per sequence, logits."""
+    from llama_reference import decode_batch, equal_shares
+
+    from ollama_engine.kvcache import cache_dtype
+    from ollama_engine.models import load_model
+
+    model = load_model(path, gpu_layers, num_threads=num_threads)
+    model.backend.load()
+    model.cache.init(model.backend, cache_dtype("f16"), len(texts), 512, 64)
+    texts, rows = [list(t) for t in texts], []
+    try:
+        for step in range(steps + 1):
+            last: dict[int, np.ndarray] = {}
+            for batch in equal_shares(texts) if step == 0 else [decode_batch(texts)]:
+                for seq, row in zip(batch.sequences[batch.outputs], model.graphs.compute(batch), strict=True):
+                    last[int(seq)] = row
+            rows.append(np.stack([last[s] for s in range(len(texts))]))
+            for text, row in zip(texts, rows[-1], strict=True):
+                text.append(int(row.argmax()))
+    finally:
+        model.close()
+    return rows
+
+
+def step_parity(args: argparse.Namespace) -> dict[str, Any]:
+    """Ours against llama.cpp (its GPU when it has one), and sequence 0 batched with another == alone."""
+    from llama_reference import PROMPTS, Reference, compare_schedule, log_softmax
+
+    steps = 2 if args.quick else 6
+    tolerance = CPU_TOLERANCE if args.cpu else GPU_TOLERANCE
+    results: dict[str, Any] = {"tolerance": tolerance, "steps": steps, "models": {}}
+    ok = True
+    for name, path in model_paths(args).items():
+        if isinstance(path, str):
+            results["models"][name] = {"status": "skip", "reason": path}
+            continue
+        started = time.monotonic()
+        entry: dict[str, Any] = {}
+        if args.cpu:  # the tests' own check: ours and llama.cpp, batch for batch, both on the CPU
+            entry["max_logprob_diff"] = compare_schedule(path, flash=False, cache_type="f16", sequences=2,
+                                                         steps=steps, tolerance=tolerance, threads=1)
+            entry["greedy_equal"] = True
+            layout: list = []
+        else:
+            layout = gpu_layout(path, None)
+            from ollama_engine.models import load_model
+
+            tokenizer = load_model(path, allocate=False)
+            texts = [tokenizer.tokenizer.encode(p, add_special=True) for p in PROMPTS]
+            tokenizer.close()
+            ours = logits_run(path, layout, texts, steps, threads(args))
+            reference = Reference(path, n_ctx=512, n_batch=64, sequences=2, threads=os.cpu_count() or 2)
+            try:
+                from llama_reference import decode_batch, equal_shares
+
+                diffs, greedy = [], True
+                feed = [list(t) for t in texts]
+                for step in range(steps + 1):
+                    theirs: dict[int, np.ndarray] = {}
+                    for batch in equal_shares(feed) if step == 0 else [decode_batch(feed)]:
+                        logits = reference.decode(batch.tokens, batch.positions, batch.sequences, batch.outputs)
+                        for seq, row in zip(batch.sequences[batch.outputs], logits, strict=True):
+                            theirs[int(seq)] = row
+                    their = np.stack([theirs[s] for s in range(len(feed))])
+                    diffs.append(float(np.abs(log_softmax(ours[step]) - log_softmax(their)).max()))
+                    greedy &= bool((ours[step].argmax(axis=1) == their.argmax(axis=1)).all())
+                    for text, row in zip(feed, ours[step], strict=True):
+                        text.append(int(row.argmax()))
+            finally:
+                reference.close()
+            entry["max_logprob_diff"], entry["greedy_equal"] = max(diffs), greedy
+        from ollama_engine.models import load_model
+
+        probe = load_model(path, allocate=False)
+        texts = [probe.tokenizer.encode(p, add_special=True) for p in PROMPTS]
+        probe.close()
+        solo = logits_run(path, layout, texts[:1], steps, threads(args))
+        batched = logits_run(path, layout, texts, steps, threads(args))
+        entry["batched_vs_solo_diff"] = max(
+            float(np.abs(log_softmax(s[:1]) - log_softmax(b[:1])).max()) for s, b in zip(solo, batched, strict=True))
+        entry["batched_greedy_equal"] = all(
+            int(s[0].argmax()) == int(b[0].argmax()) for s, b in zip(solo, batched, strict=True))
+        entry["on_gpu"] = bool(layout)
+        entry["seconds"] = round(time.monotonic() - started, 1)
+        entry["status"] = "pass" if (entry["max_logprob_diff"] < tolerance and entry["greedy_equal"]
+                                     and entry["batched_vs_solo_diff"] < tolerance
+                                     and entry["batched_greedy_equal"]) else "fail"
+        ok &= entry["status"] == "pass"
+        results["models"][name] = entry
+    checked = [m for m in results["models"].values() if m["status"] != "skip"]
+    results["status"] = "fail" if not ok else ("pass" if checked else "skip")
+    return results
+
+
+def nvml_used() -> int | None:
+    """Bytes in use on GPU 0 as the driver reports them (pynvml, as discovery does); None without a GPU."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).used)
+    except Exception:  # no driver, no GPU: this machine has nothing to report
+        return None
+
+
+def step_memory(args: argparse.Namespace) -> dict[str, Any]:
+    """fit == alloc (tests/memory_checks.py), and the estimate for GPU 0 against NVML after load."""
+    from memory_checks import fitted_then_allocated
+
+    from ollama_engine.runner.allocate import LoadParams
+
+    name, path = next((n, p) for n, p in model_paths(args).items() if not isinstance(p, str))
+    cases: dict[str, Any] = {}
+    ok = True
+    full = gpu_layout(path, None)
+    for case, layers in ([("cpu", [])] if args.cpu else [
+            ("full", full), ("partial", gpu_layout(path, len(full[0].layers) // 2) if full else [])]):
+        before = nvml_used()
+        params = LoadParams(parallel=2, kv_size=2048, gpu_layers=tuple(layers))
+        with fitted_then_allocated(str(path), params) as loaded:  # asserts fit == alloc
+            estimate = sum(g.size() for g in loaded.memory.gpus)
+            after = nvml_used()
+            entry = {"layers_on_gpu": sum(len(g.layers) for g in layers), "fit_equals_alloc": True,
+                     "gpu_estimate": estimate, "cpu_estimate": loaded.memory.cpu.size()}
+            if before is not None and after is not None and layers:
+                entry["gpu_measured"] = after - before
+                entry["measured_over_estimate"] = round((after - before) / max(estimate, 1), 3)
+                # the measurement holds the CUDA context (~0.5 GiB) beside the estimate; more is a miss
+                entry["status"] = "pass" if estimate <= after - before <= estimate + (768 << 20) else "fail"
+            else:
+                entry["status"] = "pass"
+        ok &= entry["status"] == "pass"
+        cases[case] = entry
+    return {"model": name, "cases": cases, "status": "pass" if ok else "fail"}
+
+
+def plan_json(path: Path, *extra: str) -> dict[str, Any]:
+    result = subprocess.run([sys.executable, "-m", "ollama_engine", "plan", str(path), "--json", *extra],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    if not result.stdout.strip():
+        raise RuntimeError(f"plan failed: {result.stderr[-800:]}")
+    return json.loads(result.stdout)
+
+
+def step_layout(args: argparse.Namespace) -> dict[str, Any]:
+    """The load loop as serve runs it: auto, num_gpu N, and a context no device holds whole."""
+    name, path = next((n, p) for n, p in model_paths(args).items() if not isinstance(p, str))
+    # here: a simulated GPU of 1 GiB (the loop is the same; the memory is charged from the CPU's measure)
+    gpu = ["--gpu", "CUDA:GPU-0:1GiB"] if args.cpu else []
+    cases = {"auto": [], "partial": ["--num-gpu", "4"], "context_too_big": ["--ctx", "1000000"]}
+    results: dict[str, Any] = {"model": name, "simulated_gpu": bool(gpu), "cases": {}}
+    ok = True
+    for case, extra in cases.items():
+        plan = plan_json(path, *gpu, *extra)
+        entry = {"fits": plan["fits"], "offloaded": plan["offloaded_layers"], "total": plan["total_layers"],
+                 "passes": len(plan["passes"]), "error": plan["error"]}
+        if case == "auto":
+            good = plan["fits"] and plan["offloaded_layers"] == plan["total_layers"]
+        elif case == "partial":
+            good = plan["fits"] and plan["offloaded_layers"] == 4
+        else:  # fewer layers than all on the GPU, or a clear refusal; never a layout that cannot hold it
+            good = (plan["fits"] and plan["offloaded_layers"] < plan["total_layers"]) or bool(plan["error"])
+        entry["status"] = "pass" if good else "fail"
+        ok &= good
+        results["cases"][case] = entry
+    results["status"] = "pass" if ok else "fail"
+    return results
+
+
+def step_speed(args: argparse.Namespace) -> dict[str, Any]:
+    """pp512 / tg128: llama-bench against ours (one 512-token batch, 128 single-token decodes)."""
+    path = model_paths(args)[SYNTHETIC_8B]
+    bench = DEVICE_BUILD / "bin" / "llama-bench"
+    total = gpu_layout(Path(path), None)
+    layers = len(total[0].layers)
+    results: dict[str, Any] = {"model": SYNTHETIC_8B, "cases": {}}
+    for case, ngl in (("full", layers), ("partial", layers // 2)):
+        out = subprocess.run([str(bench), "-m", str(path), "-p", "512", "-n", "128", "-ngl", str(ngl), "-r", "2",
+                              "-o", "json"], capture_output=True, text=True, timeout=60, check=True).stdout
+        theirs = {("pp512" if r["n_prompt"] else "tg128"): r["avg_ts"] for r in json.loads(out)}
+        results["cases"][case] = {"ngl": ngl, "llama_bench": theirs, "ours": ours_speed(Path(path), ngl)}
+    results["status"] = "report"
+    return results
+
+
+def ours_speed(path: Path, ngl: int) -> dict[str, float]:
+    """tokens/s of one 512-token prompt batch and of 128 decodes, on the last `ngl` layers' GPU."""
+    from ollama_engine.kvcache import Batch, cache_dtype
+    from ollama_engine.models import load_model
+
+    model = load_model(path, gpu_layout(path, ngl))
+    model.backend.load()
+    model.cache.init(model.backend, cache_dtype("f16"), 1, 1024, 512)
+    try:
+        rng = np.random.default_rng(0)
+        tokens = [int(t) for t in rng.integers(100, 30000, 512)]
+        started = time.perf_counter()
+        model.graphs.compute(Batch(positions=range(512), sequences=[0] * 512, outputs=[511], tokens=tokens))
+        pp = 512 / (time.perf_counter() - started)
+        started = time.perf_counter()
+        for i in range(128):
+            model.graphs.compute(Batch(positions=[512 + i], sequences=[0], outputs=[0], tokens=[tokens[i]]))
+        return {"pp512": round(pp, 1), "tg128": round(128 / (time.perf_counter() - started), 1)}
+    finally:
+        model.close()
+
+
+def step_serve(args: argparse.Namespace) -> dict[str, Any]:
+    """bench/serve_bench.py on the 8B model: serve against llama-server, 1 and 4 streams, one round."""
+    path = model_paths(args)[SYNTHETIC_8B]
+    out = Path("/tmp/device-check-serve.json")
+    subprocess.run([sys.executable, str(HERE / "serve_bench.py"), "--model", str(path), "--llama-server",
+                    str(DEVICE_BUILD / "bin" / "llama-server"), "--streams", "1,4", "--concurrency-only",
+                    "--rounds", "1", "--n-predict", "64", "--out", str(out)], check=True, timeout=75)
+    return {"status": "report", "serve_bench": json.loads(out.read_text())}
+
+
+def step_bigbatch(args: argparse.Namespace) -> dict[str, Any]:
+    return {"status": "skip", "reason": "TODO (issue 33 step 5): the big-batch choice for CPU layers, both ways"}
+
+
+STEP_FUNCTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
+    "parity": step_parity, "memory": step_memory, "layout": step_layout, "speed": step_speed,
+    "serve": step_serve, "bigbatch": step_bigbatch,
+}
+
+
+# ---------------------------------------------------------------- driver
+
+
+def run_step(step: Step, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """The step in a child process under its time bound; its JSON result, or why there is none."""
+    if args.cpu and step.needs_cuda:
+        return {"status": "skip", "reason": "needs the CUDA build (llama-bench / llama-server on a GPU)"}
+    if args.quick and not step.quick:
+        return {"status": "skip", "reason": "not in --quick"}
+    result_file = out / f".step-{step.name}.json"
+    result_file.unlink(missing_ok=True)
+    command = [sys.executable, __file__, "--step", step.name, "--result", str(result_file), "--out", str(out)]
+    command += [flag for flag, on in (("--cpu", args.cpu), ("--quick", args.quick)) if on]
+    command += ["--models", str(args.models)] if args.models else []
+    bound = step.cpu_seconds if args.cpu and not args.quick else step.seconds
+    started = time.monotonic()
+    with (out / "steps.log").open("a") as steps_log:
+        steps_log.write(f"==== {step.name}\n")
+        steps_log.flush()
+        try:
+            code = subprocess.run(command, stdout=steps_log, stderr=subprocess.STDOUT, timeout=bound,
+                                  cwd=ROOT).returncode
+        except subprocess.TimeoutExpired:
+            return {"status": "timeout", "reason": f"over its bound of {bound} s",
+                    "seconds": round(time.monotonic() - started, 1)}
+    if not result_file.exists():
+        return {"status": "error", "reason": f"exit {code}; see steps.log",
+                "seconds": round(time.monotonic() - started, 1)}
+    result = json.loads(result_file.read_text())
+    result_file.unlink()
+    result["seconds"] = round(time.monotonic() - started, 1)
+    return result
+
+
+def child(args: argparse.Namespace) -> int:
+    """One step, in this process: write its result (or the exception that ended it) to --result."""
+    if PACK.joinpath("llama_cpp").exists() and not args.cpu:
+        install_pack()
+    try:
+        result = STEP_FUNCTIONS[args.step](args)
+    except Exception as err:  # the step's failure is its result; the run goes on with the next step
+        import traceback
+
+        traceback.print_exc()
+        result = {"status": "error", "reason": f"{type(err).__name__}: {err}"[:600]}
+    Path(args.result).write_text(json.dumps(result, indent=2, default=str))
+    return 0
+
+
+def summary(report: dict[str, Any]) -> str:
+    lines = [f"# Device check ({report['mode']})", "", f"machine: {report['machine']}", "",
+             "| step | status | seconds | note |", "| --- | --- | --- | --- |"]
+    for name, result in report["steps"].items():
+        note = result.get("reason", "")
+        if name == "parity" and "models" in result:
+            note = "; ".join(f"{m}: {r['status']}" + (f" Δ{r['max_logprob_diff']:.1e}" if "max_logprob_diff" in r
+                                                      else "") for m, r in result["models"].items())
+        elif "cases" in result:
+            note = "; ".join(f"{c}: {r.get('status', '')}" for c, r in result["cases"].items())
+        lines.append(f"| {name} | {result['status']} | {result.get('seconds', '')} | {note} |")
+    lines += ["", f"total: {report['seconds']} s; failed: {', '.join(report['failed']) or 'none'}", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", nargs="?", choices=["run", "pack"], default="run")
+    parser.add_argument("--cpu", action="store_true", help="no CUDA build: the steps that need none, here")
+    parser.add_argument("--quick", action="store_true", help="no builds, SmolLM2 only, fewest steps (CI)")
+    parser.add_argument("--out", type=Path, help="results folder (default: $OUT, else bench/out/device-check)")
+    parser.add_argument("--models", type=Path, help="folder holding the real GGUF files (default: their cache)")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--no-wheels", action="store_true", help="pack: leave out the wheels")
+    parser.add_argument("--step", choices=list(STEP_FUNCTIONS), help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.command == "pack":
+        return pack(wheels=not args.no_wheels)
+    out_env = os.environ.get("OUT")  # the device tool's folder; outside it unset
+    out = args.out or (Path(out_env) if out_env else HERE / "out" / "device-check")
+    out.mkdir(parents=True, exist_ok=True)
+    args.out = out
+    if args.step:
+        return child(args)
+    (out / "steps.log").write_text("")
+    started = time.monotonic()
+    report: dict[str, Any] = {"mode": "cpu" + (" quick" if args.quick else "") if args.cpu else "cuda",
+                              "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores",
+                              "steps": {}}
+    if not args.cpu:
+        report["steps"]["build"] = build_step(args, out)
+        if report["steps"]["build"]["status"] != "pass":
+            return finish(report, out, started)
+    for step in STEPS:
+        log(f"step {step.name}")
+        report["steps"][step.name] = run_step(step, args, out)
+        log(f"step {step.name}: {report['steps'][step.name]['status']}")
+    return finish(report, out, started)
+
+
+def build_step(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """The CUDA build, with the synthetic 8B model written beside it (its own process, ~40 s)."""
+    if PACK.joinpath("wheels").exists():
+        install_pack()
+    writer = subprocess.Popen([sys.executable, "-c", "import sys; sys.path[:0]=['bench', '.']; import bench; "
+                               f"bench.ensure_model({SYNTHETIC_8B!r})"], cwd=ROOT,
+                              stdout=subprocess.DEVNULL, stderr=open(out / "build.log", "a"))
+    try:
+        result = {"status": "pass", **build(args.jobs, out / "build.log")}
+    except Exception as err:  # the build's log says why; the steps need the build
+        result = {"status": "error", "reason": f"{type(err).__name__}: {err}"[:600]}
+    try:
+        writer.wait(timeout=max(1, BUILD_SECONDS - 200))
+    except subprocess.TimeoutExpired:
+        writer.kill()
+    return result
+
+
+def finish(report: dict[str, Any], out: Path, started: float) -> int:
+    report["seconds"] = round(time.monotonic() - started, 1)
+    report["failed"] = [n for n, r in report["steps"].items() if r["status"] in ("fail", "error", "timeout")]
+    (out / "device-check.json").write_text(json.dumps(report, indent=2, default=str))
+    text = summary(report)
+    (out / "summary.md").write_text(text)
+    print(text)
+    return 1 if report["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

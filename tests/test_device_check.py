@@ -1,0 +1,57 @@
+"""bench/device_check.py --cpu --quick: the GPU check's script, proven on this machine as CI runs it.
+
+The device run itself needs a lent GPU; this runs every step that needs none (parity against llama.cpp on
+the real SmolLM2, fit == alloc, the layout loop against a simulated GPU) in a subprocess, bounded, and
+reads the JSON it writes.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.reference  # parity runs against the llama.cpp reference
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> dict:
+    out = tmp_path_factory.mktemp("device-check")
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "device_check.py"), "--cpu", "--quick",
+                             "--out", str(out), "--models", str(smollm2_path.parent)],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert (out / "summary.md").read_text().startswith("# Device check (cpu quick)")
+    return json.loads((out / "device-check.json").read_text())
+
+
+def test_cpu_steps_pass(report: dict) -> None:
+    steps = report["steps"]
+    assert "build" not in steps  # --cpu builds nothing
+    assert [steps[name]["status"] for name in ("parity", "memory", "layout")] == ["pass"] * 3
+    assert report["failed"] == []
+
+
+def test_gpu_only_steps_say_why_they_were_skipped(report: dict) -> None:
+    for name in ("speed", "serve", "bigbatch"):
+        assert report["steps"][name]["status"] == "skip"
+        assert "CUDA" in report["steps"][name]["reason"]
+
+
+def test_parity_measured_against_llama_cpp(report: dict) -> None:
+    smollm2 = report["steps"]["parity"]["models"]["smollm2-135m-instruct"]
+    assert smollm2["max_logprob_diff"] < report["steps"]["parity"]["tolerance"]
+    assert smollm2["greedy_equal"] and smollm2["batched_greedy_equal"]
+    assert smollm2["batched_vs_solo_diff"] < report["steps"]["parity"]["tolerance"]
+
+
+def test_layout_loop_on_a_simulated_gpu(report: dict) -> None:
+    cases = report["steps"]["layout"]["cases"]
+    assert cases["auto"]["offloaded"] == cases["auto"]["total"]
+    assert cases["partial"]["offloaded"] == 4
+    too_big = cases["context_too_big"]
+    assert too_big["offloaded"] < too_big["total"] or too_big["error"]
