@@ -27,6 +27,7 @@ from . import (  # noqa: F401 - importing an architecture registers it
     llama,
     llama4,
     mistral3,
+    nemotron_h,
     nomic_bert,
     olmo2,
     olmo3,

@@ -31,7 +31,7 @@ from ollama_engine.fs.gguf_file import Conversion, GGUFFile
 ARCHITECTURES = (
     "llama", "qwen2", "qwen3", "bert", "gemma2", "gemma3", "qwen3moe", "nomic-bert", "phi3", "olmo2", "mistral3",
     "gpt-oss", "llama4", "deepseek2",
-    "qwen2moe", "nomic-bert-moe", "lfm2", "lfm2moe",
+    "qwen2moe", "nomic-bert-moe", "lfm2", "lfm2moe", "nemotron_h",
 )
 _ROPE_ARCHITECTURES = (
     "llama", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3moe", "nomic-bert", "phi3", "olmo2", "mistral3",
@@ -125,6 +125,11 @@ class ModelSpec:
     attention_layers: tuple[int, ...] = ()  # lfm2: the layers with attention; the others are short convolutions
     conv_width: int = 3  # lfm2: shortconv.l_cache, the convolution's taps
     leading_dense: int = 0  # lfm2moe: leading_dense_block_count, the layers before the mixtures
+    mlp_layers: tuple[int, ...] = ()  # nemotron_h: the MLP layers (attention_layers: attention; others Mamba-2)
+    ssm_inner: int = 0  # nemotron_h: ssm.inner_size, .state_size, .time_step_rank (heads), .group_count
+    ssm_state: int = 0
+    ssm_heads: int = 0
+    ssm_groups: int = 1
     name: str = "synthetic"
 
     @property
@@ -494,6 +499,26 @@ PRESETS: dict[str, ModelSpec] = {
         n_ff_exp=32,
         name="tiny-lfm2moe",
     ),
+    # nemotron_h: Mamba-2 (4 taps, 8 heads of 16, 2 groups of state 32), MLP and attention layers: "M-M*M-"
+    "tiny-nemotron_h": ModelSpec(
+        arch="nemotron_h",
+        n_layer=6,
+        n_embd=64,
+        n_head=4,
+        n_head_kv=2,
+        n_ff=128,
+        vocab="gpt-2",
+        context_length=512,
+        tied_embeddings=False,
+        attention_layers=(3,),
+        mlp_layers=(1, 5),
+        conv_width=4,
+        ssm_inner=128,
+        ssm_state=32,
+        ssm_heads=8,
+        ssm_groups=2,
+        name="tiny-nemotron_h",
+    ),
     "smollm2-135m": ModelSpec(
         arch="llama",
         n_layer=30,
@@ -716,6 +741,9 @@ def _tensor_plan(spec: ModelSpec, n_vocab: int, qtype: GGMLQuantizationType) -> 
     if spec.arch in ("lfm2", "lfm2moe"):
         yield from _lfm2_tensors(tensor, spec)
         return
+    if spec.arch == "nemotron_h":
+        yield from _nemotron_h_tensors(tensor, spec)
+        return
     for i in range(spec.n_layer):
         if spec.arch != "olmo2":  # olmo2 has no pre-norms
             yield tensor(MODEL_TENSOR.ATTN_NORM, "weight", (n_embd,), "norm", i)
@@ -779,6 +807,33 @@ def _lfm2_tensors(tensor, spec: ModelSpec) -> Iterator[_Tensor]:
         yield tensor(MODEL_TENSOR.FFN_GATE, "weight", (n_embd, n_ff), "matrix", i)
         yield tensor(MODEL_TENSOR.FFN_DOWN, "weight", (n_ff, n_embd), "matrix", i)
         yield tensor(MODEL_TENSOR.FFN_UP, "weight", (n_embd, n_ff), "matrix", i)
+
+
+def _nemotron_h_tensors(tensor, spec: ModelSpec) -> Iterator[_Tensor]:
+    """Nemotron-H's layers: attention (no norms, no RoPE) in spec.attention_layers, a ReLU² MLP in
+    spec.mlp_layers, Mamba-2 in the others; every one behind an attn_norm."""
+    n_embd, n_q, n_kv = spec.n_embd, spec.n_head * spec.n_rot, spec.n_head_kv * spec.n_rot
+    inner, groups, heads = spec.ssm_inner, spec.ssm_groups, spec.ssm_heads
+    channels = inner + 2 * groups * spec.ssm_state  # x, B, C: what the convolution sees
+    for i in range(spec.n_layer):
+        yield tensor(MODEL_TENSOR.ATTN_NORM, "weight", (n_embd,), "norm", i)
+        if i in spec.attention_layers:
+            for key, shape in ((MODEL_TENSOR.ATTN_Q, (n_embd, n_q)), (MODEL_TENSOR.ATTN_K, (n_embd, n_kv)),
+                               (MODEL_TENSOR.ATTN_V, (n_embd, n_kv)), (MODEL_TENSOR.ATTN_OUT, (n_q, n_embd))):
+                yield tensor(key, "weight", shape, "matrix", i)
+        elif i in spec.mlp_layers:
+            yield tensor(MODEL_TENSOR.FFN_UP, "weight", (n_embd, spec.n_ff), "matrix", i)
+            yield tensor(MODEL_TENSOR.FFN_DOWN, "weight", (spec.n_ff, n_embd), "matrix", i)
+        else:  # the kernel, A, D and the norms stay F32, as llama.cpp's quantizer leaves them
+            yield tensor(MODEL_TENSOR.SSM_IN, "weight", (n_embd, inner + channels + heads), "matrix", i)
+            yield tensor(MODEL_TENSOR.SSM_CONV1D, "weight", (spec.conv_width, channels), "table", i)
+            yield tensor(MODEL_TENSOR.SSM_CONV1D, "bias", (channels,), "bias", i)
+            yield tensor(MODEL_TENSOR.SSM_DT, "bias", (heads,), "bias", i)
+            yield _Tensor(TENSOR_NAMES[MODEL_TENSOR.SSM_A].format(bid=i), (1, heads), "decay",
+                          GGMLQuantizationType.F32)  # no .weight suffix
+            yield _Tensor(TENSOR_NAMES[MODEL_TENSOR.SSM_D].format(bid=i), (1, heads), "norm", GGMLQuantizationType.F32)
+            yield tensor(MODEL_TENSOR.SSM_NORM, "weight", (inner // groups, groups), "norm", i)
+            yield tensor(MODEL_TENSOR.SSM_OUT, "weight", (inner, n_embd), "matrix", i)
 
 
 def _phi3_tensors(tensor, spec: ModelSpec) -> Iterator[_Tensor]:
@@ -971,9 +1026,22 @@ def _add_hparams(writer: gguf.GGUFWriter, spec: ModelSpec, n_vocab: int, file_ty
     writer.add_context_length(spec.context_length)
     writer.add_embedding_length(spec.n_embd)
     writer.add_block_count(spec.n_layer)
-    writer.add_feed_forward_length(spec.n_ff)
+    if spec.arch == "nemotron_h":  # one entry per layer: 0 but for the MLP layers
+        writer.add_feed_forward_length([spec.n_ff if i in spec.mlp_layers else 0 for i in range(spec.n_layer)])
+    else:
+        writer.add_feed_forward_length(spec.n_ff)
     writer.add_head_count(spec.n_head)
-    if spec.arch in ("lfm2", "lfm2moe"):  # one entry per layer, 0 for a short convolution
+    if spec.arch == "nemotron_h":  # head_count_kv 0 but for the attention layers; the Mamba-2 mixers' sizes
+        writer.add_head_count_kv([spec.n_head_kv if i in spec.attention_layers else 0 for i in range(spec.n_layer)])
+        writer.add_ssm_conv_kernel(spec.conv_width)
+        writer.add_ssm_inner_size(spec.ssm_inner)
+        writer.add_ssm_state_size(spec.ssm_state)
+        writer.add_ssm_time_step_rank(spec.ssm_heads)
+        writer.add_ssm_group_count(spec.ssm_groups)
+        writer.add_key_length(spec.n_rot)
+        writer.add_value_length(spec.n_rot)
+        writer.add_layer_norm_eps(spec.eps)
+    elif spec.arch in ("lfm2", "lfm2moe"):  # one entry per layer, 0 for a short convolution
         writer.add_head_count_kv([spec.n_head_kv if i in spec.attention_layers else 0 for i in range(spec.n_layer)])
         writer.add_uint32(f"{writer.arch}.shortconv.l_cache", spec.conv_width)
         if spec.arch == "lfm2moe":
@@ -1101,6 +1169,8 @@ def _values(t: _Tensor, spec: ModelSpec, seed: int) -> np.ndarray:
     rng = np.random.default_rng([seed, zlib.crc32(t.name.encode())])
     if t.kind == "sinks":  # attention sinks: logits of the scores' size
         return rng.standard_normal(t.shape, dtype=np.float32)
+    if t.kind == "decay":  # Mamba-2's A = -exp(A_log): negative, one per head
+        return -np.exp(rng.uniform(math.log(0.1), math.log(2.0), t.shape)).astype(np.float32)
     if t.kind == "norm":
         return (1.0 + 0.1 * rng.standard_normal(t.shape, dtype=np.float32)).astype(np.float32)
     if t.kind == "bias":

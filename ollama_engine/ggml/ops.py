@@ -70,6 +70,7 @@ permute = lib.ggml_permute
 transpose = lib.ggml_transpose
 concat = lib.ggml_concat
 ssm_conv = lib.ggml_ssm_conv
+ssm_scan = lib.ggml_ssm_scan
 pad = lib.ggml_pad
 pad_ext = lib.ggml_pad_ext
 argsort = lib.ggml_argsort

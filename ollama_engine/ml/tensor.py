@@ -484,6 +484,21 @@ class Tensor:
         ctx = self._graph(kernel)
         return Tensor(ctx, ops.ssm_conv(ctx.handle, self.handle, kernel.handle))
 
+    def ssm_scan(self, x: Tensor, dt: Tensor, a: Tensor, b: Tensor, c: Tensor, ids: Tensor) -> Tensor:
+        """Mamba-2's selective scan (ggml_ssm_scan) from the states self (d_state, head_dim, heads, slots),
+        contiguous, slot ids[s] for sequence s: x (head_dim, heads, tokens, sequences), dt (heads, tokens,
+        sequences), a (1, heads), b and c (d_state, groups, tokens, sequences), ids (sequences,) I32.
+        Returns y then the sequences' new states, flat: x's element count + d_state * head_dim * heads * sequences."""
+        s, xs = self.ne, x.ne
+        if (s[1:3] != xs[0:2] or dt.ne[:3] != (xs[1], xs[2], xs[3]) or a.ne[:2] != (1, xs[1]) or b.ne != c.ne
+                or b.ne[0] != s[0] or b.ne[2:] != xs[2:] or xs[1] % b.ne[1] or ids.ne[0] != xs[3]
+                or ids.dtype != DType.I32):
+            raise ShapeError(f"ssm_scan: states {self.shape}, x {x.shape}, dt {dt.shape}, A {a.shape}, "
+                             f"B {b.shape}, C {c.shape}, ids {ids.shape} do not fit together")
+        ctx = self._graph(x)
+        return Tensor(ctx, ops.ssm_scan(ctx.handle, self.handle, x.handle, dt.handle, a.handle, b.handle, c.handle,
+                                        ids.handle, 1))
+
     def pad(self, *amounts: int) -> Tensor:
         """Zero-pad at the end of each dimension by amounts (p0, p1, p2, p3)."""
         if len(amounts) > 4 or any(p < 0 for p in amounts):
