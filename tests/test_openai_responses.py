@@ -361,7 +361,7 @@ def test_logit_bias_forces_and_bans_tokens(client: openai.OpenAI, server: str, s
         model="smollm2", messages=messages, temperature=0, max_tokens=8, logit_bias={str(forced): 100},
         response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
     content = constrained.choices[0].message.content
-    assert content.startswith('{') and content.count("banana") >= 3
+    assert content.startswith("{") and content.count("banana") >= 2
     for bad in ({"x": 1}, {"1": 101}, {"99999999": 1}):
         response = post(server, "/v1/chat/completions", {"model": "smollm2", "messages": messages, "logit_bias": bad})
         assert response.status_code == 400, bad
