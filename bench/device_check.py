@@ -41,6 +41,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -59,9 +60,9 @@ sys.path[:0] = [str(HERE), str(ROOT), str(ROOT / "tests")]  # bench.py, the engi
 PACK = ROOT / ".device-check"  # what `pack` writes here and the device run reads there
 DEVICE_BUILD = ROOT / "build" / "device-cuda"
 BUILD_TARGETS = ("ggml", "llama", "llama-bench", "llama-server")
-SOURCE_PARTS = ("CMakeLists.txt", "cmake", "common", "ggml", "include", "src", "tools", "vendor", "licenses",
+SOURCE_PARTS = ("CMakeLists.txt", "cmake", "common", "ggml", "include", "src", "tools", "vendor", "licenses", "app",
                 "LICENSE", "build-xcframework.sh")
-WHEELS = ("cffi==2.0.0", "pycparser==2.23", "gguf==0.17.1", "llguidance==1.3.0", "diskcache==5.6.3")
+WHEELS = ("cffi==2.1.1", "pycparser==3.12", "gguf==0.19.0", "llguidance==1.9.1", "diskcache==5.6.3")  # as in .venv
 CPU_TOLERANCE = 1e-4  # the parity tests' bound on the CPU: same kernels, same batches
 GPU_TOLERANCE = 2e-3  # on CUDA the same graph may be split or reduced differently by batch size
 REAL = ("smollm2-135m-instruct", "gemma-3-270m")
@@ -106,8 +107,9 @@ def pack(wheels: bool) -> int:
     """Write .device-check/: the pruned source, the llama_cpp bindings and the wheels; print its size."""
     tree = llama_tree()
     PACK.mkdir(exist_ok=True)
-    exclude = ROOT / ".git" / "info" / "exclude"
-    if exclude.exists() and "/.device-check/" not in exclude.read_text():
+    exclude = ROOT / ".git" / "info" / "exclude"  # ignored, so it travels only where `carry` names it
+    exclude.parent.mkdir(exist_ok=True)
+    if not exclude.exists() or "/.device-check/" not in exclude.read_text():
         with exclude.open("a") as out:
             out.write("/.device-check/\n")
     log("packing the llama.cpp source the build needs")
@@ -171,7 +173,7 @@ def source_tree() -> Path:
     return target / "llama.cpp"
 
 
-def build(jobs: int, log_path: Path) -> dict[str, Any]:
+def build(jobs: int, log_path: Path, seconds: float) -> dict[str, Any]:
     """ggml (CUDA), libllama, llama-bench and llama-server in one tree; our bindings against its ggml."""
     import build_ggml
 
@@ -185,8 +187,8 @@ def build(jobs: int, log_path: Path) -> dict[str, Any]:
     with log_path.open("a") as out:
         for command in (["cmake", "-S", str(tree), "-B", str(DEVICE_BUILD), *generator, *options],
                         ["cmake", "--build", str(DEVICE_BUILD), "-j", str(jobs), "--target", *BUILD_TARGETS]):
-            left = BUILD_SECONDS - (time.monotonic() - started)
-            subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, check=True, timeout=max(left, 1))
+            if run_bounded(command, seconds - (time.monotonic() - started), out) != 0:
+                raise RuntimeError(f"{' '.join(command[:3])} failed: see build.log")
     bin_dir = DEVICE_BUILD / "bin"
     shutil.rmtree(build_ggml.LIB_DIR, ignore_errors=True)
     build_ggml.LIB_DIR.mkdir(parents=True)
@@ -471,27 +473,41 @@ STEP_FUNCTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
 # ---------------------------------------------------------------- driver
 
 
-def run_step(step: Step, args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    """The step in a child process under its time bound; its JSON result, or why there is none."""
+def run_bounded(command: list[str], seconds: float, log_file: Any) -> int:
+    """Run command in its own process group, output to log_file; past `seconds` the whole group is killed
+    (a step's servers and a build's compilers with it) and TimeoutExpired raised."""
+    process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+    try:
+        return process.wait(timeout=max(seconds, 1))
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        raise
+
+
+def run_step(step: Step, args: argparse.Namespace, out: Path, left: float) -> dict[str, Any]:
+    """The step in a child process under its time bound (and the run's budget); its JSON result, or why
+    there is none."""
     if args.cpu and step.needs_cuda:
         return {"status": "skip", "reason": "needs the CUDA build (llama-bench / llama-server on a GPU)"}
     if args.quick and not step.quick:
         return {"status": "skip", "reason": "not in --quick"}
+    bound = min(step.cpu_seconds if args.cpu and not args.quick else step.seconds, left)
+    if bound < 10:
+        return {"status": "skip", "reason": f"the run's --budget of {args.budget} s is spent"}
     result_file = out / f".step-{step.name}.json"
     result_file.unlink(missing_ok=True)
     command = [sys.executable, __file__, "--step", step.name, "--result", str(result_file), "--out", str(out)]
     command += [flag for flag, on in (("--cpu", args.cpu), ("--quick", args.quick)) if on]
     command += ["--models", str(args.models)] if args.models else []
-    bound = step.cpu_seconds if args.cpu and not args.quick else step.seconds
     started = time.monotonic()
     with (out / "steps.log").open("a") as steps_log:
         steps_log.write(f"==== {step.name}\n")
         steps_log.flush()
         try:
-            code = subprocess.run(command, stdout=steps_log, stderr=subprocess.STDOUT, timeout=bound,
-                                  cwd=ROOT).returncode
+            code = run_bounded(command, bound, steps_log)
         except subprocess.TimeoutExpired:
-            return {"status": "timeout", "reason": f"over its bound of {bound} s",
+            return {"status": "timeout", "reason": f"over its bound of {bound:.0f} s",
                     "seconds": round(time.monotonic() - started, 1)}
     if not result_file.exists():
         return {"status": "error", "reason": f"exit {code}; see steps.log",
@@ -540,6 +556,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="results folder (default: $OUT, else bench/out/device-check)")
     parser.add_argument("--models", type=Path, help="folder holding the real GGUF files (default: their cache)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--budget", type=int,
+                        help="seconds for the whole run, build included (default: 540 on the device, whose tool "
+                             "allows 600 a command; 3600 with --cpu); a step gets what is left when its bound is more")
     parser.add_argument("--no-wheels", action="store_true", help="pack: leave out the wheels")
     parser.add_argument("--step", choices=list(STEP_FUNCTIONS), help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -552,6 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out = out
     if args.step:
         return child(args)
+    args.budget = args.budget or (3600 if args.cpu else 540)
     (out / "steps.log").write_text("")
     started = time.monotonic()
     report: dict[str, Any] = {"mode": "cpu" + (" quick" if args.quick else "") if args.cpu else "cuda",
@@ -563,7 +583,8 @@ def main(argv: list[str] | None = None) -> int:
             return finish(report, out, started)
     for step in STEPS:
         log(f"step {step.name}")
-        report["steps"][step.name] = run_step(step, args, out)
+        left = args.budget - (time.monotonic() - started)
+        report["steps"][step.name] = run_step(step, args, out, left)
         log(f"step {step.name}: {report['steps'][step.name]['status']}")
     return finish(report, out, started)
 
@@ -576,13 +597,19 @@ def build_step(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                                f"bench.ensure_model({SYNTHETIC_8B!r})"], cwd=ROOT,
                               stdout=subprocess.DEVNULL, stderr=open(out / "build.log", "a"))
     try:
-        result = {"status": "pass", **build(args.jobs, out / "build.log")}
+        result = {"status": "pass", **build(args.jobs, out / "build.log", min(BUILD_SECONDS, args.budget))}
+    except subprocess.TimeoutExpired:
+        result = {"status": "timeout", "reason": f"over {min(BUILD_SECONDS, args.budget)} s: run again on the warm "
+                  "machine, ninja goes on where it stopped (build/device-cuda stays there)"}
     except Exception as err:  # the build's log says why; the steps need the build
         result = {"status": "error", "reason": f"{type(err).__name__}: {err}"[:600]}
     try:
-        writer.wait(timeout=max(1, BUILD_SECONDS - 200))
-    except subprocess.TimeoutExpired:
+        writer.wait(timeout=max(1, args.budget - BUILD_SECONDS - 60))
+    except subprocess.TimeoutExpired:  # a half-written model must not pass for a whole one in a rerun
         writer.kill()
+        writer.wait()
+        for partial in (HERE / "out").glob(f"{SYNTHETIC_8B}-*.gguf"):
+            partial.unlink()
     return result
 
 
