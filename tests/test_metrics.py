@@ -163,6 +163,22 @@ def test_a_stop_is_counted_as_one(server, smollm2_path: Path):
     assert value(after, "ollama_engine_loaded_models") == 0
 
 
+def test_speculative_decoding_reports_its_drafts(server, smollm2_path: Path):
+    model = str(smollm2_path)
+    before = scrape(server)
+    assert ("ollama_engine_speculative_draft_tokens_total", frozenset({("model", model)})) not in before, \
+        "no request so far asked for speculation"
+    text = ("The lighthouse stood on a rock at the mouth of the bay. Every night the keeper climbed the hundred "
+            "steps, trimmed the wick and watched the beam sweep across the water.")
+    stream_chat(server, model, [{"role": "user", "content": f"Copy this text exactly:\n{text}"}],
+                options={"num_predict": 40, "temperature": 0, "spec_ngram": True})
+    after = scrape(server)
+    drafted = value(after, "ollama_engine_speculative_draft_tokens_total", model=model)
+    accepted = value(after, "ollama_engine_speculative_accepted_tokens_total", model=model)
+    assert ("ollama_engine_speculative_draft_tokens_total", frozenset({("model", model)})) in after
+    assert 0 <= accepted <= drafted  # how much it drafts is the runner's choice (it adapts to the machine)
+
+
 def test_unknown_routes_count_under_one_label(server):
     before = scrape(server)
     for path in ("/no/such/route", "/another/one"):
