@@ -28,6 +28,7 @@ from . import (  # noqa: F401 - importing an architecture registers it
     llama4,
     mistral3,
     nemotron_h,
+    nemotron_h_moe,
     nomic_bert,
     olmo2,
     olmo3,

@@ -1,8 +1,9 @@
-"""nemotron_h (Mamba-2, attention and MLP layers on kvcache.Recurrent) against llama.cpp, batched, memory,
-diff, the runner.
+"""nemotron_h and nemotron_h_moe (Mamba-2, attention and MLP or MoE layers on kvcache.Recurrent) against
+llama.cpp, batched, memory, diff, the runner.
 
 The tiny-nemotron_h preset: six layers "M-M*M-" (Mamba-2 in 0, 2 and 4; a ReLU² MLP in 1 and 5;
-attention without RoPE in 3), Mamba-2 with 4 conv taps, 8 heads of 16, 2 groups of state 32.
+attention without RoPE in 3), Mamba-2 with 4 conv taps, 8 heads of 16, 2 groups of state 32;
+tiny-nemotron_h_moe the same with mixtures of 8 ungated ReLU² experts (2 used) and a shared expert in 1 and 5.
 Measured against llama.cpp on the same batches: bit-identical logits in the cases run here at the time of
 writing; the tolerance is 1e-4 on logprobs, as test_architectures and test_lfm2. Two sequences per batch
 are compared with quantized weights only, for test_lfm2's reason (ggml's F16/F32 matmul rounds a decode
@@ -35,9 +36,9 @@ MAMBA, MLP, ATTENTION = (0, 2, 4), (1, 5), (3,)
 def synthetic(tmp_path_factory: pytest.TempPathFactory):
     folder = tmp_path_factory.mktemp("nemotron_h")
 
-    def write(weight_type: str = "Q8_0", **options) -> Path:
-        path = folder / f"nemotron_h-{weight_type}-{'-'.join(f'{k}{v}' for k, v in options.items())}.gguf"
-        return path if path.exists() else write_synthetic(path, "nemotron_h", weight_type=weight_type, **options)
+    def write(weight_type: str = "Q8_0", arch: str = "nemotron_h", **options) -> Path:
+        path = folder / f"{arch}-{weight_type}-{'-'.join(f'{k}{v}' for k, v in options.items())}.gguf"
+        return path if path.exists() else write_synthetic(path, arch, weight_type=weight_type, **options)
 
     return write
 
@@ -75,6 +76,17 @@ def test_greedy_decoding_matches(synthetic, weight_type, sequences, flash):
 
 
 @pytest.mark.reference
+@pytest.mark.parametrize(("weight_type", "sequences", "flash"), [("F32", 1, False), ("Q8_0", 2, False),
+                                                                 ("Q4_0", 2, True)])
+def test_nemotron_h_moe_greedy_decoding_matches(synthetic, weight_type, sequences, flash):
+    """nemotron_h_moe: sigmoid routing with a selection bias, normalised and scaled weights, ReLU² experts
+    without a gate, plus the shared expert."""
+    worst = compare_schedule(synthetic(weight_type, "nemotron_h_moe"), flash=flash, cache_type="f16",
+                             sequences=sequences, steps=8, tolerance=TOLERANCE, prompts=PROMPTS)
+    assert worst < TOLERANCE
+
+
+@pytest.mark.reference
 def test_diff_finds_every_tensor_equal_to_llama_cpps(synthetic):
     """ollama-engine diff: every layer's output (Mamba-2, MLP and attention layers) and the logits, bitwise."""
     result = diff.run_diff(synthetic("F32"), PROMPTS[0], threads=1, generate=2)
@@ -84,11 +96,11 @@ def test_diff_finds_every_tensor_equal_to_llama_cpps(synthetic):
             "result_norm", "result_output"} <= {t.name for t in result.tensors}
 
 
-@pytest.mark.parametrize("flash", [False, True])
-def test_batched_equals_solo(synthetic, flash):
+@pytest.mark.parametrize(("arch", "flash"), [("nemotron_h", False), ("nemotron_h", True), ("nemotron_h_moe", False)])
+def test_batched_equals_solo(synthetic, arch, flash):
     """A sequence's logits do not depend on another sequence sharing its batches (prompt of another length,
     then decode steps that cross checkpoint positions): bitwise."""
-    model = load_model(synthetic(), num_threads=1, flash_attention=flash)
+    model = load_model(synthetic(arch=arch), num_threads=1, flash_attention=flash)
     try:
         model.backend.load()
         model.cache.init(model.backend, cache_dtype("f16"), 2, 256, 32)
@@ -101,12 +113,13 @@ def test_batched_equals_solo(synthetic, flash):
         model.close()
 
 
-def test_fit_equals_alloc_and_states_are_reported_per_layer(synthetic):
+@pytest.mark.parametrize("arch", ["nemotron_h", "nemotron_h_moe"])
+def test_fit_equals_alloc_and_states_are_reported_per_layer(synthetic, arch):
     """fit reports what alloc allocates; a Mamba-2 layer's cache is its state rows (conv state and SSM
     state side by side; slots, checkpoints, a zero and a scratch row), the attention layer's its keys and
     values, and the MLP layers have none."""
     params = LoadParams(parallel=2, batch_size=32, kv_size=256, num_threads=1)
-    with fitted_then_allocated(str(synthetic()), params) as loaded:
+    with fitted_then_allocated(str(synthetic(arch=arch)), params) as loaded:
         cache = loaded.model.cache
         assert isinstance(cache, Recurrent)
         report = loaded.memory.cpu.cache

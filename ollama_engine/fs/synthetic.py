@@ -31,7 +31,7 @@ from ollama_engine.fs.gguf_file import Conversion, GGUFFile
 ARCHITECTURES = (
     "llama", "qwen2", "qwen3", "bert", "gemma2", "gemma3", "qwen3moe", "nomic-bert", "phi3", "olmo2", "mistral3",
     "gpt-oss", "llama4", "deepseek2",
-    "qwen2moe", "nomic-bert-moe", "lfm2", "lfm2moe", "nemotron_h",
+    "qwen2moe", "nomic-bert-moe", "lfm2", "lfm2moe", "nemotron_h", "nemotron_h_moe",
 )
 _ROPE_ARCHITECTURES = (
     "llama", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3moe", "nomic-bert", "phi3", "olmo2", "mistral3",
@@ -40,7 +40,7 @@ _ROPE_ARCHITECTURES = (
 )
 _POST_NORM_ARCHITECTURES = ("gemma2", "gemma3", "olmo2")  # olmo2: post-norms only, q/k norms over all heads
 # a router and stacked experts instead of the FFN
-_MOE_ARCHITECTURES = ("qwen3moe", "gpt-oss", "llama4", "qwen2moe", "lfm2moe")
+_MOE_ARCHITECTURES = ("qwen3moe", "gpt-oss", "llama4", "qwen2moe", "lfm2moe", "nemotron_h_moe")
 _BERT_ARCHITECTURES = ("bert", "nomic-bert", "nomic-bert-moe")  # encoders: post-norm, pooled
 _OLLAMA_NAMES = {"gpt-oss": "gptoss", "olmo2": "olmo3"}  # Ollama's converters' architecture names (layout "ollama")
 
@@ -519,6 +519,30 @@ PRESETS: dict[str, ModelSpec] = {
         ssm_groups=2,
         name="tiny-nemotron_h",
     ),
+    # nemotron_h_moe: tiny-nemotron_h's layers, the MLPs mixtures of 8 ungated ReLU² experts (2 used, sigmoid
+    # routing, selection bias, weights normalised and scaled) plus a shared expert as wide as n_ff
+    "tiny-nemotron_h_moe": ModelSpec(
+        arch="nemotron_h_moe",
+        n_layer=6,
+        n_embd=64,
+        n_head=4,
+        n_head_kv=2,
+        n_ff=128,
+        vocab="gpt-2",
+        context_length=512,
+        tied_embeddings=False,
+        attention_layers=(3,),
+        mlp_layers=(1, 5),
+        conv_width=4,
+        ssm_inner=128,
+        ssm_state=32,
+        ssm_heads=8,
+        ssm_groups=2,
+        n_expert=8,
+        n_expert_used=2,
+        n_ff_exp=32,
+        name="tiny-nemotron_h_moe",
+    ),
     "smollm2-135m": ModelSpec(
         arch="llama",
         n_layer=30,
@@ -741,7 +765,7 @@ def _tensor_plan(spec: ModelSpec, n_vocab: int, qtype: GGMLQuantizationType) -> 
     if spec.arch in ("lfm2", "lfm2moe"):
         yield from _lfm2_tensors(tensor, spec)
         return
-    if spec.arch == "nemotron_h":
+    if spec.arch in ("nemotron_h", "nemotron_h_moe"):
         yield from _nemotron_h_tensors(tensor, spec)
         return
     for i in range(spec.n_layer):
@@ -821,6 +845,14 @@ def _nemotron_h_tensors(tensor, spec: ModelSpec) -> Iterator[_Tensor]:
             for key, shape in ((MODEL_TENSOR.ATTN_Q, (n_embd, n_q)), (MODEL_TENSOR.ATTN_K, (n_embd, n_kv)),
                                (MODEL_TENSOR.ATTN_V, (n_embd, n_kv)), (MODEL_TENSOR.ATTN_OUT, (n_q, n_embd))):
                 yield tensor(key, "weight", shape, "matrix", i)
+        elif i in spec.mlp_layers and spec.arch == "nemotron_h_moe":  # ungated experts, a shared expert
+            n_ff, n_expert = spec.n_ff_exp, spec.n_expert
+            yield tensor(MODEL_TENSOR.FFN_GATE_INP, "weight", (n_embd, n_expert), "table", i)
+            yield tensor(MODEL_TENSOR.FFN_EXP_PROBS_B, "bias", (n_expert,), "bias", i)
+            yield tensor(MODEL_TENSOR.FFN_UP_EXP, "weight", (n_embd, n_ff, n_expert), "expert", i)
+            yield tensor(MODEL_TENSOR.FFN_DOWN_EXP, "weight", (n_ff, n_embd, n_expert), "expert", i)
+            yield tensor(MODEL_TENSOR.FFN_UP_SHEXP, "weight", (n_embd, spec.n_ff), "matrix", i)
+            yield tensor(MODEL_TENSOR.FFN_DOWN_SHEXP, "weight", (spec.n_ff, n_embd), "matrix", i)
         elif i in spec.mlp_layers:
             yield tensor(MODEL_TENSOR.FFN_UP, "weight", (n_embd, spec.n_ff), "matrix", i)
             yield tensor(MODEL_TENSOR.FFN_DOWN, "weight", (spec.n_ff, n_embd), "matrix", i)
@@ -1026,12 +1058,13 @@ def _add_hparams(writer: gguf.GGUFWriter, spec: ModelSpec, n_vocab: int, file_ty
     writer.add_context_length(spec.context_length)
     writer.add_embedding_length(spec.n_embd)
     writer.add_block_count(spec.n_layer)
-    if spec.arch == "nemotron_h":  # one entry per layer: 0 but for the MLP layers
-        writer.add_feed_forward_length([spec.n_ff if i in spec.mlp_layers else 0 for i in range(spec.n_layer)])
+    if spec.arch in ("nemotron_h", "nemotron_h_moe"):  # one entry per layer: 0 but for the MLP layers
+        width = spec.n_ff_exp if spec.arch == "nemotron_h_moe" else spec.n_ff
+        writer.add_feed_forward_length([width if i in spec.mlp_layers else 0 for i in range(spec.n_layer)])
     else:
         writer.add_feed_forward_length(spec.n_ff)
     writer.add_head_count(spec.n_head)
-    if spec.arch == "nemotron_h":  # head_count_kv 0 but for the attention layers; the Mamba-2 mixers' sizes
+    if spec.arch in ("nemotron_h", "nemotron_h_moe"):  # head_count_kv 0 but in attention layers; Mamba-2 sizes
         writer.add_head_count_kv([spec.n_head_kv if i in spec.attention_layers else 0 for i in range(spec.n_layer)])
         writer.add_ssm_conv_kernel(spec.conv_width)
         writer.add_ssm_inner_size(spec.ssm_inner)
@@ -1041,6 +1074,12 @@ def _add_hparams(writer: gguf.GGUFWriter, spec: ModelSpec, n_vocab: int, file_ty
         writer.add_key_length(spec.n_rot)
         writer.add_value_length(spec.n_rot)
         writer.add_layer_norm_eps(spec.eps)
+        if spec.arch == "nemotron_h_moe":  # as the converter writes Nemotron 3 Nano's
+            writer.add_expert_shared_feed_forward_length(spec.n_ff)
+            writer.add_expert_shared_count(1)
+            writer.add_expert_weights_norm(True)
+            writer.add_expert_weights_scale(2.5)
+            writer.add_expert_group_count(1)
     elif spec.arch in ("lfm2", "lfm2moe"):  # one entry per layer, 0 for a short convolution
         writer.add_head_count_kv([spec.n_head_kv if i in spec.attention_layers else 0 for i in range(spec.n_layer)])
         writer.add_uint32(f"{writer.arch}.shortconv.l_cache", spec.conv_width)
