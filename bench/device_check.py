@@ -80,7 +80,7 @@ class Step:
 
 STEPS = (
     Step("parity", 100, 900, False, True),
-    Step("memory", 50, 120, False, True),
+    Step("memory", 70, 120, False, True),
     Step("layout", 40, 120, False, True),
     Step("speed", 100, 100, True, False),
     Step("serve", 80, 80, True, False),
@@ -263,22 +263,31 @@ def threads(args: argparse.Namespace) -> int | None:
     return 1 if args.cpu else None
 
 
-def logits_run(path: Path, gpu_layers: list, texts: list[list[int]], steps: int,
-               num_threads: int | None) -> list[np.ndarray]:
-    """Ours: the prompts in llama.cpp's split, then `steps` greedy decodes; per step, per sequence, logits."""
+def logits_run(path: Path, gpu_layers: list, texts: list[list[int]], steps: int, num_threads: int | None,
+               llama_split: bool = True) -> list[np.ndarray]:
+    """Ours: the prompts, then `steps` greedy decodes; per step, per sequence, the logits.
+
+    llama_split feeds the prompts in llama.cpp's split (to compare with it batch for batch); without it every
+    prompt goes whole into one batch, as the runner schedules it: each sequence in the chunk it would have
+    alone, so a sequence's logits must not depend on the others (batched == solo)."""
     from llama_reference import decode_batch, equal_shares
 
-    from ollama_engine.kvcache import cache_dtype
+    from ollama_engine.kvcache import Batch, cache_dtype
     from ollama_engine.models import load_model
 
     model = load_model(path, gpu_layers, num_threads=num_threads)
     model.backend.load()
     model.cache.init(model.backend, cache_dtype("f16"), len(texts), 512, 64)
     texts, rows = [list(t) for t in texts], []
+    rows_of = [(s, p) for s, t in enumerate(texts) for p in range(len(t))]
+    whole = Batch(positions=[p for _, p in rows_of], sequences=[s for s, _ in rows_of],
+                  outputs=[i for i, (s, p) in enumerate(rows_of) if p == len(texts[s]) - 1],
+                  tokens=[texts[s][p] for s, p in rows_of])
     try:
         for step in range(steps + 1):
             last: dict[int, np.ndarray] = {}
-            for batch in equal_shares(texts) if step == 0 else [decode_batch(texts)]:
+            prompt = equal_shares(texts) if llama_split else [whole]
+            for batch in prompt if step == 0 else [decode_batch(texts)]:
                 for seq, row in zip(batch.sequences[batch.outputs], model.graphs.compute(batch), strict=True):
                     last[int(seq)] = row
             rows.append(np.stack([last[s] for s in range(len(texts))]))
@@ -341,8 +350,8 @@ def step_parity(args: argparse.Namespace) -> dict[str, Any]:
         probe = load_model(path, allocate=False)
         texts = [probe.tokenizer.encode(p, add_special=True) for p in PROMPTS]
         probe.close()
-        solo = logits_run(path, layout, texts[:1], steps, threads(args))
-        batched = logits_run(path, layout, texts, steps, threads(args))
+        solo = logits_run(path, layout, texts[:1], steps, threads(args), llama_split=False)
+        batched = logits_run(path, layout, texts, steps, threads(args), llama_split=False)
         entry["batched_vs_solo_diff"] = max(
             float(np.abs(log_softmax(s[:1]) - log_softmax(b[:1])).max()) for s, b in zip(solo, batched, strict=True))
         entry["batched_greedy_equal"] = all(
