@@ -37,6 +37,7 @@ absent; the synthetic 8B model is written there, not carried.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -171,11 +172,10 @@ def install_pack() -> None:
 
 
 def cuda_arch() -> str:
-    """The visible GPU's compute capability, e.g. '90a' for an H100 (Hopper's arch-specific kernels)."""
+    """The visible GPU's compute capability as nvidia-smi reports it, e.g. '90' for an H100: one architecture."""
     out = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
                          capture_output=True, text=True, check=True).stdout.split()
-    arch = out[0].replace(".", "")
-    return arch + "a" if arch == "90" else arch
+    return out[0].replace(".", "")
 
 
 def source_tree() -> Path:
@@ -487,7 +487,7 @@ def step_serve(args: argparse.Namespace) -> dict[str, Any]:
     out = Path("/tmp/device-check-serve.json")
     subprocess.run([sys.executable, str(HERE / "serve_bench.py"), "--model", str(path), "--llama-server",
                     str(DEVICE_BUILD / "bin" / "llama-server"), "--streams", "1,4", "--concurrency-only",
-                    "--rounds", "1", "--n-predict", "64", "--out", str(out)], check=True, timeout=75)
+                    "--rounds", "1", "--n-predict", "64", "--out", str(out)], check=True)
     return {"status": "report", "serve_bench": json.loads(out.read_text())}
 
 
@@ -514,6 +514,9 @@ def run_bounded(command: list[str], seconds: float, log_file: Any) -> int:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
         raise
+    finally:  # whatever the step left running (a server whose parent died) goes with it
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
 
 
 def run_step(step: Step, args: argparse.Namespace, out: Path, left: float) -> dict[str, Any]:
@@ -572,6 +575,9 @@ def summary(report: dict[str, Any]) -> str:
         if name == "parity" and "models" in result:
             note = "; ".join(f"{m}: {r['status']}" + (f" Δ{r['max_logprob_diff']:.1e}" if "max_logprob_diff" in r
                                                       else "") for m, r in result["models"].items())
+        elif name == "speed" and "cases" in result:
+            note = "; ".join(f"{c}: " + ", ".join(f"{k} {r['ours'][k]:.0f} vs {r['llama_bench'].get(k, 0):.0f} t/s"
+                                                   for k in ("pp512", "tg128")) for c, r in result["cases"].items())
         elif "cases" in result:
             note = "; ".join(f"{c}: {r.get('status', '')}" for c, r in result["cases"].items())
         lines.append(f"| {name} | {result['status']} | {result.get('seconds', '')} | {note} |")
@@ -609,6 +615,9 @@ def main(argv: list[str] | None = None) -> int:
                               "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores",
                               "steps": {}}
     if not args.cpu:
+        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True) if shutil.which("nvidia-smi") else None
+        report["machine"] += f"; GPU: {gpu.stdout.strip() if gpu else 'none (no nvidia-smi)'}"  # named in results
         report["steps"]["build"] = build_step(args, out)
         if report["steps"]["build"]["status"] != "pass":
             return finish(report, out, started)
@@ -622,18 +631,21 @@ def main(argv: list[str] | None = None) -> int:
 
 def build_step(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """The CUDA build, with the synthetic 8B model written beside it (its own process, ~40 s)."""
-    if PACK.joinpath("wheels").exists():
-        install_pack()
-    writer = subprocess.Popen([sys.executable, "-c", "import sys; sys.path[:0]=['bench', '.']; import bench; "
-                               f"bench.ensure_model({SYNTHETIC_8B!r})"], cwd=ROOT,
-                              stdout=subprocess.DEVNULL, stderr=open(out / "build.log", "a"))
+    writer = None
     try:
+        if PACK.joinpath("wheels").exists():
+            install_pack()
+        writer = subprocess.Popen([sys.executable, "-c", "import sys; sys.path[:0]=['bench', '.']; import bench; "
+                                   f"bench.ensure_model({SYNTHETIC_8B!r})"], cwd=ROOT,
+                                  stdout=subprocess.DEVNULL, stderr=open(out / "build.log", "a"))
         result = {"status": "pass", **build(args.jobs, out / "build.log", min(BUILD_SECONDS, args.budget))}
     except subprocess.TimeoutExpired:
         result = {"status": "timeout", "reason": f"over {min(BUILD_SECONDS, args.budget)} s: run again on the warm "
                   "machine, ninja goes on where it stopped (build/device-cuda stays there)"}
     except Exception as err:  # the build's log says why; the steps need the build
         result = {"status": "error", "reason": f"{type(err).__name__}: {err}"[:600]}
+    if writer is None:
+        return result
     try:
         writer.wait(timeout=max(1, args.budget - BUILD_SECONDS - 60))
     except subprocess.TimeoutExpired:  # a half-written model must not pass for a whole one in a rerun
