@@ -37,6 +37,7 @@ from . import (  # noqa: F401 - importing an architecture registers it
     qwen2moe,
     qwen3,
     qwen3moe,
+    qwen3next,
 )
 from .base import REGISTRY, Model, ModelError, bind, model_class, register, registry_name, require_uint, weight
 from .graphs import Graph, Graphs

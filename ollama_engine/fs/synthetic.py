@@ -31,16 +31,16 @@ from ollama_engine.fs.gguf_file import Conversion, GGUFFile
 ARCHITECTURES = (
     "llama", "qwen2", "qwen3", "bert", "gemma2", "gemma3", "qwen3moe", "nomic-bert", "phi3", "olmo2", "mistral3",
     "gpt-oss", "llama4", "deepseek2",
-    "qwen2moe", "nomic-bert-moe", "lfm2", "lfm2moe", "nemotron_h", "nemotron_h_moe",
+    "qwen2moe", "nomic-bert-moe", "lfm2", "lfm2moe", "nemotron_h", "nemotron_h_moe", "qwen3next",
 )
 _ROPE_ARCHITECTURES = (
     "llama", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3moe", "nomic-bert", "phi3", "olmo2", "mistral3",
     "gpt-oss", "llama4", "deepseek2",
-    "qwen2moe", "nomic-bert-moe", "lfm2", "lfm2moe",
+    "qwen2moe", "nomic-bert-moe", "lfm2", "lfm2moe", "qwen3next",
 )
 _POST_NORM_ARCHITECTURES = ("gemma2", "gemma3", "olmo2")  # olmo2: post-norms only, q/k norms over all heads
 # a router and stacked experts instead of the FFN
-_MOE_ARCHITECTURES = ("qwen3moe", "gpt-oss", "llama4", "qwen2moe", "lfm2moe", "nemotron_h_moe")
+_MOE_ARCHITECTURES = ("qwen3moe", "gpt-oss", "llama4", "qwen2moe", "lfm2moe", "nemotron_h_moe", "qwen3next")
 _BERT_ARCHITECTURES = ("bert", "nomic-bert", "nomic-bert-moe")  # encoders: post-norm, pooled
 _OLLAMA_NAMES = {"gpt-oss": "gptoss", "olmo2": "olmo3"}  # Ollama's converters' architecture names (layout "ollama")
 
@@ -130,6 +130,8 @@ class ModelSpec:
     ssm_state: int = 0
     ssm_heads: int = 0
     ssm_groups: int = 1
+    rope_dims: int | None = None  # rope.dimension_count where it is not the head size (qwen3next: partial)
+    full_attention_interval: int = 4  # qwen3next: every n-th layer is full attention, the others DeltaNet
     name: str = "synthetic"
 
     @property
@@ -543,6 +545,32 @@ PRESETS: dict[str, ModelSpec] = {
         n_ff_exp=32,
         name="tiny-nemotron_h_moe",
     ),
+    # qwen3next: gated DeltaNet in layers 0-2 (2 key heads of 16, 4 value heads, 4 conv taps), gated full
+    # attention in 3 (head size 32, RoPE over 8 dims), mixtures of 8 experts (2 used) with a gated shared expert
+    "tiny-qwen3next": ModelSpec(
+        arch="qwen3next",
+        n_layer=4,
+        n_embd=64,
+        n_head=4,
+        n_head_kv=2,
+        head_dim=32,
+        n_ff=64,
+        vocab="gpt-2",
+        context_length=512,
+        rope_base=1000000.0,
+        tied_embeddings=False,
+        rope_dims=8,
+        conv_width=4,
+        ssm_inner=64,
+        ssm_state=16,
+        ssm_heads=4,
+        ssm_groups=2,
+        n_expert=8,
+        n_expert_used=2,
+        n_ff_exp=32,
+        eps=1e-6,
+        name="tiny-qwen3next",
+    ),
     "smollm2-135m": ModelSpec(
         arch="llama",
         n_layer=30,
@@ -768,6 +796,9 @@ def _tensor_plan(spec: ModelSpec, n_vocab: int, qtype: GGMLQuantizationType) -> 
     if spec.arch in ("nemotron_h", "nemotron_h_moe"):
         yield from _nemotron_h_tensors(tensor, spec)
         return
+    if spec.arch == "qwen3next":
+        yield from _qwen3next_tensors(tensor, spec)
+        return
     for i in range(spec.n_layer):
         if spec.arch != "olmo2":  # olmo2 has no pre-norms
             yield tensor(MODEL_TENSOR.ATTN_NORM, "weight", (n_embd,), "norm", i)
@@ -866,6 +897,38 @@ def _nemotron_h_tensors(tensor, spec: ModelSpec) -> Iterator[_Tensor]:
             yield _Tensor(TENSOR_NAMES[MODEL_TENSOR.SSM_D].format(bid=i), (1, heads), "norm", GGMLQuantizationType.F32)
             yield tensor(MODEL_TENSOR.SSM_NORM, "weight", (inner // groups, groups), "norm", i)
             yield tensor(MODEL_TENSOR.SSM_OUT, "weight", (inner, n_embd), "matrix", i)
+
+
+def _qwen3next_tensors(tensor, spec: ModelSpec) -> Iterator[_Tensor]:
+    """Qwen3-Next's layers: gated DeltaNet (fused q/k/v projection, z, beta/alpha), gated full attention
+    with q/k norms every full_attention_interval-th layer; mixtures of experts with a gated shared expert."""
+    n_embd, n_ff = spec.n_embd, spec.n_ff
+    key_dim, inner, v_heads = spec.ssm_groups * spec.ssm_state, spec.ssm_inner, spec.ssm_heads
+    for i in range(spec.n_layer):
+        yield tensor(MODEL_TENSOR.ATTN_NORM, "weight", (n_embd,), "norm", i)
+        yield tensor(MODEL_TENSOR.ATTN_POST_NORM, "weight", (n_embd,), "norm", i)
+        if (i + 1) % spec.full_attention_interval:  # the kernel, A and the norms stay F32
+            yield tensor(MODEL_TENSOR.ATTN_QKV, "weight", (n_embd, 2 * key_dim + inner), "matrix", i)
+            yield tensor(MODEL_TENSOR.ATTN_GATE, "weight", (n_embd, inner), "matrix", i)
+            yield tensor(MODEL_TENSOR.SSM_BETA_ALPHA, "weight", (n_embd, 2 * v_heads), "matrix", i)
+            yield tensor(MODEL_TENSOR.SSM_CONV1D, "weight", (spec.conv_width, 2 * key_dim + inner), "table", i)
+            yield tensor(MODEL_TENSOR.SSM_DT, "bias", (v_heads,), "bias", i)
+            yield _Tensor(TENSOR_NAMES[MODEL_TENSOR.SSM_A].format(bid=i), (v_heads,), "decay",
+                          GGMLQuantizationType.F32)
+            yield tensor(MODEL_TENSOR.SSM_NORM, "weight", (spec.ssm_state,), "norm", i)
+            yield tensor(MODEL_TENSOR.SSM_OUT, "weight", (inner, n_embd), "matrix", i)
+        else:
+            n_q, n_kv = spec.n_head * spec.n_rot, spec.n_head_kv * spec.n_rot
+            for key, shape in ((MODEL_TENSOR.ATTN_Q, (n_embd, 2 * n_q)), (MODEL_TENSOR.ATTN_K, (n_embd, n_kv)),
+                               (MODEL_TENSOR.ATTN_V, (n_embd, n_kv)), (MODEL_TENSOR.ATTN_OUT, (n_q, n_embd))):
+                yield tensor(key, "weight", shape, "matrix", i)
+            yield tensor(MODEL_TENSOR.ATTN_Q_NORM, "weight", (spec.n_rot,), "norm", i)
+            yield tensor(MODEL_TENSOR.ATTN_K_NORM, "weight", (spec.n_rot,), "norm", i)
+        yield from _expert_tensors(tensor, spec, i)
+        yield tensor(MODEL_TENSOR.FFN_GATE_INP_SHEXP, "weight", (n_embd,), "table", i)
+        yield tensor(MODEL_TENSOR.FFN_GATE_SHEXP, "weight", (n_embd, n_ff), "matrix", i)
+        yield tensor(MODEL_TENSOR.FFN_DOWN_SHEXP, "weight", (n_ff, n_embd), "matrix", i)
+        yield tensor(MODEL_TENSOR.FFN_UP_SHEXP, "weight", (n_embd, n_ff), "matrix", i)
 
 
 def _phi3_tensors(tensor, spec: ModelSpec) -> Iterator[_Tensor]:
@@ -1080,6 +1143,14 @@ def _add_hparams(writer: gguf.GGUFWriter, spec: ModelSpec, n_vocab: int, file_ty
             writer.add_expert_weights_norm(True)
             writer.add_expert_weights_scale(2.5)
             writer.add_expert_group_count(1)
+    elif spec.arch == "qwen3next":
+        writer.add_head_count_kv(spec.n_head_kv)
+        writer.add_ssm_conv_kernel(spec.conv_width)
+        writer.add_ssm_state_size(spec.ssm_state)
+        writer.add_ssm_group_count(spec.ssm_groups)
+        writer.add_ssm_time_step_rank(spec.ssm_heads)
+        writer.add_ssm_inner_size(spec.ssm_inner)
+        writer.add_full_attention_interval(spec.full_attention_interval)
     elif spec.arch in ("lfm2", "lfm2moe"):  # one entry per layer, 0 for a short convolution
         writer.add_head_count_kv([spec.n_head_kv if i in spec.attention_layers else 0 for i in range(spec.n_layer)])
         writer.add_uint32(f"{writer.arch}.shortconv.l_cache", spec.conv_width)
@@ -1107,10 +1178,10 @@ def _add_hparams(writer: gguf.GGUFWriter, spec: ModelSpec, n_vocab: int, file_ty
         writer.add_expert_feed_forward_length(spec.n_ff_exp)
         if spec.arch == "llama4":
             writer.add_uint32(f"{writer.arch}.interleave_moe_layer_step", spec.moe_every)
-        if spec.arch == "qwen2moe":
+        if spec.arch in ("qwen2moe", "qwen3next"):
             writer.add_expert_shared_feed_forward_length(spec.n_ff)
     writer.add_rope_freq_base(spec.rope_base)
-    writer.add_rope_dimension_count(spec.n_rot)
+    writer.add_rope_dimension_count(spec.rope_dims or spec.n_rot)
     if spec.mla is not None:
         _add_mla_hparams(writer, spec)
     elif spec.n_rot != spec.n_embd // spec.n_head:

@@ -342,6 +342,9 @@ class Tensor:
     def relu(self) -> Tensor:
         return self._new(ops.relu(self._graph().handle, self.handle))
 
+    def softplus(self) -> Tensor:
+        return self._new(ops.softplus(self._graph().handle, self.handle))
+
     def sigmoid(self) -> Tensor:
         return self._new(ops.sigmoid(self._graph().handle, self.handle))
 
@@ -498,6 +501,21 @@ class Tensor:
         ctx = self._graph(x)
         return Tensor(ctx, ops.ssm_scan(ctx.handle, self.handle, x.handle, dt.handle, a.handle, b.handle, c.handle,
                                         ids.handle, 1))
+
+    def gated_delta_net(self, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> Tensor:
+        """The gated delta rule (ggml_gated_delta_net) with self the queries: q and k (S, heads, tokens,
+        sequences), v the same, g and beta (1, heads, tokens, sequences), state (S, S, heads, sequences),
+        all F32, g beta and state contiguous. Returns (S * heads, tokens * sequences + S * sequences): the
+        outputs, then the new states."""
+        q, shape = self.ne, v.ne
+        if (q != shape or k.ne != shape or g.ne != (1, *shape[1:]) or beta.ne != g.ne
+                or state.ne != (shape[0], shape[0], shape[1], shape[3])
+                or any(t.dtype != DType.F32 for t in (self, k, v, g, beta, state))):
+            raise ShapeError(f"gated_delta_net: q {self.shape}, k {k.shape}, v {v.shape}, g {g.shape}, "
+                             f"beta {beta.shape}, state {state.shape} do not fit together")
+        ctx = self._graph(k)
+        return Tensor(ctx, ops.gated_delta_net(ctx.handle, self.handle, k.handle, v.handle, g.handle, beta.handle,
+                                               state.handle, 1))
 
     def pad(self, *amounts: int) -> Tensor:
         """Zero-pad at the end of each dimension by amounts (p0, p1, p2, p3)."""

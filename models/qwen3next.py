@@ -1,0 +1,223 @@
+"""Qwen3-Next: gated DeltaNet linear-attention layers interleaved with gated full attention, mixtures of
+experts with a gated shared expert, on the Recurrent cache.
+
+As llama.cpp's qwen3next graph. A layer is linear attention where attention.recurrent_layers says so, else
+all but every full_attention_interval-th (default 4). Every layer: h += mix(rms_norm(h)) (attn_norm),
+then h += ffn(rms_norm(h)) (post_attention_norm).
+
+Gated DeltaNet: qkv = attn_qkv(x) and z = attn_gate(x); beta and alpha from ssm_ba(x) (per key head: beta
+for its value heads, then alpha); qkv's channels are convolved over time (ggml_ssm_conv, ssm.conv_kernel
+taps, the conv state the last taps' inputs), silu; q and k L2-normalised (repeated per value head where
+there are fewer key heads); the gated delta rule (ggml_gated_delta_net) with beta = sigmoid(beta) and the
+decay gate softplus(alpha + ssm_dt.bias) * ssm_a, from the state (value head size squared per head);
+rms_norm(out) * silu(z) (ssm_norm), then ssm_out. The cache row holds the conv state, then that state.
+
+Full attention: attn_q yields per head a query and a gate; per-head q/k RMS norms, NeoX RoPE over
+rope.dimension_count dims; the attention's output times sigmoid(gate) goes through attn_output.
+FFN: softmax-routed SwiGLU experts (weights normalised) plus a SwiGLU shared expert scaled by
+sigmoid(ffn_gate_inp_shexp · x); a plain SwiGLU where a layer has no router. Each sequence of a batch
+is convolved and scanned on its own (kvcache/recurrent.py). The MTP blocks are refused, not run.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ollama_engine.kvcache import Batch, Recurrent, attention
+from ollama_engine.ml import Backend, Context, RopeOptions, Tensor
+from ollama_engine.tokenizer import Tokenizer
+
+from .base import Model, ModelError, bind, register, require_uint, weight
+from .moe import Gating, Routing, bind_experts, moe
+
+
+@dataclass
+class Norms:
+    attn_norm: Tensor = weight("attn_norm.weight")
+    post_norm: Tensor = weight("post_attention_norm.weight")
+
+
+@dataclass
+class LinearLayer(Norms):
+    qkv: Tensor = weight("attn_qkv.weight")  # hidden -> q, k (key heads), v (value heads)
+    gate: Tensor = weight("attn_gate.weight")  # hidden -> z
+    ssm_ba: Tensor = weight("ssm_ba.weight")  # hidden -> per key head: beta, alpha of its value heads
+    conv: Tensor = weight("ssm_conv1d.weight")  # (conv_kernel, channels), F32
+    dt_bias: Tensor = weight("ssm_dt.bias")
+    ssm_a: Tensor = weight("ssm_a")  # (value heads,): -exp(A_log)
+    ssm_norm: Tensor = weight("ssm_norm.weight")  # (value head size,)
+    ssm_out: Tensor = weight("ssm_out.weight")
+
+
+@dataclass
+class AttentionLayer(Norms):
+    attn_q: Tensor = weight("attn_q.weight")  # hidden -> per head: query, gate
+    attn_k: Tensor = weight("attn_k.weight")
+    attn_v: Tensor = weight("attn_v.weight")
+    attn_q_norm: Tensor = weight("attn_q_norm.weight")
+    attn_k_norm: Tensor = weight("attn_k_norm.weight")
+    attn_output: Tensor = weight("attn_output.weight")
+
+
+@dataclass
+class SharedExpert:
+    gate_inp: Tensor | None = weight("ffn_gate_inp_shexp.weight", optional=True)  # (hidden,)
+    gate: Tensor | None = weight("ffn_gate_shexp.weight", optional=True)
+    up: Tensor | None = weight("ffn_up_shexp.weight", optional=True)
+    down: Tensor | None = weight("ffn_down_shexp.weight", optional=True)
+
+
+@dataclass
+class Dense:
+    ffn_gate: Tensor = weight("ffn_gate.weight")
+    ffn_up: Tensor = weight("ffn_up.weight")
+    ffn_down: Tensor = weight("ffn_down.weight")
+
+
+@dataclass
+class Weights:
+    token_embd: Tensor = weight("token_embd.weight")
+    output_norm: Tensor = weight("output_norm.weight")
+    output: Tensor | None = weight("output.weight", optional=True)  # tied to token_embd where absent
+
+
+@register("qwen3next")
+class Qwen3Next(Model):
+    reuse_graphs = True
+    rope_options = RopeOptions(neox=True)
+
+    def __init__(self, backend: Backend, tokenizer: Tokenizer | None):
+        super().__init__(backend, tokenizer)
+        c = self.config
+        if c.get_uint("nextn_predict_layers", 0):
+            raise ModelError(f"qwen3next: nextn_predict_layers {c.get_uint('nextn_predict_layers')} (MTP blocks) "
+                             "is not supported yet")
+        self.blocks = require_uint(c, "block_count")
+        self.hidden = require_uint(c, "embedding_length")
+        self.heads = require_uint(c, "attention.head_count")
+        self.kv_heads = require_uint(c, "attention.head_count_kv")
+        self.head_dim = c.get_uint("attention.key_length", 0) or self.hidden // max(self.heads, 1)
+        self.n_rot = c.get_uint("rope.dimension_count", self.head_dim)
+        self.rope_base = c.get_float("rope.freq_base", 10000.0)
+        self.eps = c.get_float("attention.layer_norm_rms_epsilon", 1e-6)
+        self.d_conv = require_uint(c, "ssm.conv_kernel")
+        self.d_inner = require_uint(c, "ssm.inner_size")
+        self.k_dim = require_uint(c, "ssm.state_size")  # a key head's size
+        self.k_heads = require_uint(c, "ssm.group_count")
+        self.v_heads = require_uint(c, "ssm.time_step_rank")
+        if (not self.heads or not self.kv_heads or self.heads % self.kv_heads or self.d_conv < 2 or not self.k_heads
+                or not self.v_heads or self.v_heads % self.k_heads or self.d_inner != self.k_dim * self.v_heads):
+            raise ModelError(f"qwen3next: head_count {self.heads} must be a multiple of head_count_kv "
+                             f"{self.kv_heads}, ssm.conv_kernel {self.d_conv} at least 2, ssm.time_step_rank "
+                             f"{self.v_heads} a multiple of ssm.group_count {self.k_heads}, and ssm.inner_size "
+                             f"{self.d_inner} ssm.state_size {self.k_dim} times ssm.time_step_rank")
+        recurrent = c.get_bools("attention.recurrent_layers")
+        interval = c.get_uint("full_attention_interval", 4) or 4
+        self.recurrent = recurrent if len(recurrent) >= self.blocks else [
+            (i + 1) % interval != 0 for i in range(self.blocks)]
+        self.weights = bind(Weights, backend)
+        self.layers: list[LinearLayer | AttentionLayer] = [
+            bind(LinearLayer if self.recurrent[i] else AttentionLayer, backend, f"blk.{i}.")
+            for i in range(self.blocks)]
+        self.routing = Routing.from_config(c, Gating.SOFTMAX, True, c.get_float("expert_weights_scale", 1.0)) if (
+            c.get_uint("expert_count", 0)) else None
+        self.experts = {i: bind_experts(backend, i, self.routing, self.hidden) for i in range(self.blocks)
+                        if self.routing is not None and backend.get(f"blk.{i}.ffn_gate_inp.weight") is not None}
+        self.shared = {i: bind(SharedExpert, backend, f"blk.{i}.") for i in self.experts}
+        self.dense = {i: bind(Dense, backend, f"blk.{i}.") for i in range(self.blocks) if i not in self.experts}
+        self.channels = 2 * self.k_heads * self.k_dim + self.d_inner  # q, k, v: what the convolution sees
+        states = ((self.d_conv - 1) * self.channels, self.k_dim * self.d_inner)
+        self.cache = Recurrent(self.shift, {i: states for i in range(self.blocks) if self.recurrent[i]})
+
+    def shift(self, ctx: Context, layer: int, key: Tensor, delta: Tensor) -> Tensor:
+        return key.rope(delta, self.n_rot, self.rope_base, 1.0, None, self.rope_options)
+
+    def delta_net(self, ctx: Context, layer: LinearLayer, x: Tensor, i: int) -> Tensor:
+        """Gated DeltaNet mixing of x (hidden, n), each sequence of the batch from its own states."""
+        kd, kh, vh, channels, d_conv = self.k_dim, self.k_heads, self.v_heads, self.channels, self.d_conv - 1
+        per_k = vh // kh
+        qkv = layer.qkv.matmul(x)
+        z = layer.gate.matmul(x)
+        ba = layer.ssm_ba.matmul(x)
+        stride, z_stride, ba_stride = qkv.strides[1], z.strides[1], ba.strides[1]
+        outputs = []
+        for s, (begin, count) in enumerate(self.cache.spans()):
+            b = ba.view(begin * ba_stride, (per_k, kh, count), (2 * per_k * 4, ba_stride))
+            beta = b.contiguous().sigmoid().reshape(1, vh, count, 1)
+            a = ba.view(begin * ba_stride + per_k * 4, (per_k, kh, count), (2 * per_k * 4, ba_stride))
+            gate = a.contiguous(vh, count, 1).add(layer.dt_bias).softplus().mul(layer.ssm_a).reshape(1, vh, count, 1)
+            conv_state = self.cache.state(ctx, i, s, 0).reshape(d_conv, channels)
+            conv_x = conv_state.concat(qkv.view(begin * stride, (channels, count)).transpose(), 0)
+            new_conv = conv_x.view(count * 4, (d_conv, channels), (conv_x.strides[1],))
+            mixed = conv_x.reshape(d_conv + count, channels, 1).ssm_conv(layer.conv).silu()  # (channels, count, 1)
+            row = mixed.strides[1]
+            q, k = (mixed.view(at, (kd, kh, count, 1), (kd * 4, row, row * count)) for at in (0, kh * kd * 4))
+            v = mixed.view(2 * kh * kd * 4, (kd, vh, count, 1), (kd * 4, row, row * count))
+            q, k = (t.rms_norm(None, self.eps / kd).scale(1.0 / math.sqrt(kd)) for t in (q, k))  # L2 norms
+            if per_k > 1:  # each key head serves its per_k value heads, in turn
+                q, k = (t.reshape(kd, 1, kh, count).repeat_to(kd, per_k, kh, count).reshape(kd, vh, count, 1)
+                        for t in (q, k))
+            state = self.cache.state(ctx, i, s, 1).reshape(kd, kd, vh, 1)
+            result = q.gated_delta_net(k, v, gate, beta, state)
+            self.cache.update(ctx, i, s, [new_conv, result.view(kd * vh * count * 4, (kd * kd * vh,))])
+            out = result.view(0, (kd, vh, count), (kd * 4, kd * vh * 4)).rms_norm(layer.ssm_norm, self.eps)
+            gated = z.view(begin * z_stride, (self.d_inner, count)).reshape(kd, vh, count).silu()
+            outputs.append(out.mul(gated).reshape(self.d_inner, count))
+        y = outputs[0]
+        for more in outputs[1:]:
+            y = y.concat(more, 1)
+        return layer.ssm_out.matmul(y).set_name(f"linear_attn_out-{i}")
+
+    def self_attention(self, ctx: Context, layer: AttentionLayer, x: Tensor, positions: Tensor, i: int) -> Tensor:
+        n, d, heads = x.ne[1], self.head_dim, self.heads
+        full = layer.attn_q.matmul(x).reshape(2 * d, heads, n)
+        q = full.view(0, (d, heads, n), full.strides[1:3]).rms_norm(layer.attn_q_norm, self.eps)
+        gate = full.view(d * 4, (d, heads, n), full.strides[1:3])
+        k = layer.attn_k.matmul(x).reshape(d, self.kv_heads, n).rms_norm(layer.attn_k_norm, self.eps)
+        v = layer.attn_v.matmul(x).reshape(d, self.kv_heads, n)
+        q = q.rope(positions, self.n_rot, self.rope_base, 1.0, None, self.rope_options)
+        k = k.rope(positions, self.n_rot, self.rope_base, 1.0, None, self.rope_options)
+        out = attention(ctx, q, k, v, 1.0 / math.sqrt(d), self.cache).reshape(d * heads, n)
+        out = out.mul(gate.contiguous(d * heads, n).sigmoid())
+        return layer.attn_output.matmul(out).set_name(f"attn_output-{i}")
+
+    def feed_forward(self, x: Tensor, i: int) -> Tensor:
+        if i in self.dense:
+            ffn = self.dense[i]
+            return ffn.ffn_down.matmul(ffn.ffn_gate.matmul(x).silu(ffn.ffn_up.matmul(x)))
+        assert self.routing is not None
+        out = moe(x, self.experts[i], self.routing, i)
+        shared = self.shared[i]
+        if shared.up is None or shared.gate is None or shared.down is None:
+            return out
+        expert = shared.down.matmul(shared.gate.matmul(x).silu(shared.up.matmul(x))).set_name(f"ffn_shexp-{i}")
+        if shared.gate_inp is not None:
+            expert = expert.mul(shared.gate_inp.matmul(x).sigmoid())
+        return out.add(expert)
+
+    def forward(self, ctx: Context, batch: Batch) -> Tensor | None:
+        if batch.tokens is None:
+            raise ValueError("a text model's batch needs token ids")
+        inputs = ctx.input()
+        positions = inputs.from_numpy(batch.positions).set_name("positions")
+        h = self.weights.token_embd.rows(inputs.from_numpy(batch.tokens).set_name("tokens"))
+        outputs = inputs.from_numpy(batch.outputs).set_name("outputs") if len(batch.outputs) else None
+        last = self.blocks - 1
+        for i, layer in enumerate(self.layers):
+            self.cache.set_layer(i)
+            x = h.rms_norm(layer.attn_norm, self.eps).set_name(f"attn_norm-{i}")
+            if isinstance(layer, LinearLayer):
+                x = self.delta_net(ctx, layer, x, i)
+            else:
+                x = self.self_attention(ctx, layer, x, positions, i)
+            if i == last:
+                if outputs is None:
+                    return None  # the states and keys are stored; nothing else is wanted
+                x, h = x.rows(outputs), h.rows(outputs)
+            h = x.add(h).set_name(f"attn_residual-{i}")
+            ffn = self.feed_forward(h.rms_norm(layer.post_norm, self.eps).set_name(f"attn_post_norm-{i}"), i)
+            h = ffn.add(h).set_name(f"l_out-{i}")
+        h = h.rms_norm(self.weights.output_norm, self.eps).set_name("result_norm")
+        output = self.weights.output if self.weights.output is not None else self.weights.token_embd
+        return output.matmul(h).set_name("result_output")
