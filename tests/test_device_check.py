@@ -54,4 +54,4 @@ def test_layout_loop_on_a_simulated_gpu(report: dict) -> None:
     assert cases["auto"]["offloaded"] == cases["auto"]["total"]
     assert cases["partial"]["offloaded"] == 4
     too_big = cases["context_too_big"]
-    assert too_big["offloaded"] < too_big["total"] or too_big["error"]
+    assert too_big["fits"] and 0 < too_big["offloaded"] < too_big["total"]  # partial offload
