@@ -358,9 +358,46 @@ def logits_run(path: Path, gpu_layers: list, texts: list[list[int]], steps: int,
     return rows
 
 
+def prompt_tokens(path: Path) -> list[list[int]]:
+    """The parity tests' two prompts, tokenized by the model's own tokenizer."""
+    from llama_reference import PROMPTS
+
+    from ollama_engine.models import load_model
+
+    probe = load_model(path, allocate=False)
+    try:
+        return [probe.tokenizer.encode(prompt, add_special=True) for prompt in PROMPTS]
+    finally:
+        probe.close()
+
+
+def against_reference(path: Path, texts: list[list[int]], ours: list[np.ndarray]) -> tuple[float, bool]:
+    """llama.cpp (all layers on its GPU: libllama's default) fed the batches `ours` was fed, and the tokens
+    ours chose; the largest logprob difference and whether every greedy token agreed."""
+    from llama_reference import Reference, decode_batch, equal_shares, log_softmax
+
+    reference = Reference(path, n_ctx=512, n_batch=64, sequences=len(texts), threads=os.cpu_count() or 2)
+    diffs, greedy, feed = [], True, [list(t) for t in texts]
+    try:
+        for step, mine in enumerate(ours):
+            theirs: dict[int, np.ndarray] = {}
+            for batch in equal_shares(feed) if step == 0 else [decode_batch(feed)]:
+                logits = reference.decode(batch.tokens, batch.positions, batch.sequences, batch.outputs)
+                for seq, row in zip(batch.sequences[batch.outputs], logits, strict=True):
+                    theirs[int(seq)] = row
+            their = np.stack([theirs[s] for s in range(len(feed))])
+            diffs.append(float(np.abs(log_softmax(mine) - log_softmax(their)).max()))
+            greedy &= bool((mine.argmax(axis=1) == their.argmax(axis=1)).all())
+            for text, row in zip(feed, mine, strict=True):
+                text.append(int(row.argmax()))
+    finally:
+        reference.close()
+    return max(diffs), greedy
+
+
 def step_parity(args: argparse.Namespace) -> dict[str, Any]:
     """Ours against llama.cpp (its GPU when it has one), and sequence 0 batched with another == alone."""
-    from llama_reference import PROMPTS, Reference, compare_schedule, log_softmax
+    from llama_reference import compare_schedule, log_softmax
 
     steps = 2 if args.quick else 6
     tolerance = CPU_TOLERANCE if args.cpu else GPU_TOLERANCE
@@ -373,43 +410,18 @@ def step_parity(args: argparse.Namespace) -> dict[str, Any]:
         started = time.monotonic()
         entry: dict[str, Any] = {}
         if args.cpu:  # the tests' own check: ours and llama.cpp, batch for batch, both on the CPU
-            entry["max_logprob_diff"] = compare_schedule(path, flash=False, cache_type="f16", sequences=2,
-                                                         steps=steps, tolerance=tolerance, threads=1)
-            entry["greedy_equal"] = True
             layout: list = []
-        else:
-            layout = gpu_layout(path, None)
-            from ollama_engine.models import load_model
-
-            tokenizer = load_model(path, allocate=False)
-            texts = [tokenizer.tokenizer.encode(p, add_special=True) for p in PROMPTS]
-            tokenizer.close()
-            ours = logits_run(path, layout, texts, steps, threads(args))
-            reference = Reference(path, n_ctx=512, n_batch=64, sequences=2, threads=os.cpu_count() or 2)
             try:
-                from llama_reference import decode_batch, equal_shares
-
-                diffs, greedy = [], True
-                feed = [list(t) for t in texts]
-                for step in range(steps + 1):
-                    theirs: dict[int, np.ndarray] = {}
-                    for batch in equal_shares(feed) if step == 0 else [decode_batch(feed)]:
-                        logits = reference.decode(batch.tokens, batch.positions, batch.sequences, batch.outputs)
-                        for seq, row in zip(batch.sequences[batch.outputs], logits, strict=True):
-                            theirs[int(seq)] = row
-                    their = np.stack([theirs[s] for s in range(len(feed))])
-                    diffs.append(float(np.abs(log_softmax(ours[step]) - log_softmax(their)).max()))
-                    greedy &= bool((ours[step].argmax(axis=1) == their.argmax(axis=1)).all())
-                    for text, row in zip(feed, ours[step], strict=True):
-                        text.append(int(row.argmax()))
-            finally:
-                reference.close()
-            entry["max_logprob_diff"], entry["greedy_equal"] = max(diffs), greedy
-        from ollama_engine.models import load_model
-
-        probe = load_model(path, allocate=False)
-        texts = [probe.tokenizer.encode(p, add_special=True) for p in PROMPTS]
-        probe.close()
+                entry["max_logprob_diff"] = compare_schedule(path, flash=False, cache_type="f16", sequences=2,
+                                                             steps=steps, tolerance=tolerance, threads=1)
+                entry["greedy_equal"] = True
+            except AssertionError as err:  # its message says which step and by how much
+                entry.update(max_logprob_diff=float("inf"), greedy_equal=False, mismatch=str(err))
+        else:
+            layout, texts = gpu_layout(path, None), prompt_tokens(path)
+            ours = logits_run(path, layout, texts, steps, threads(args))
+            entry["max_logprob_diff"], entry["greedy_equal"] = against_reference(path, texts, ours)
+        texts = prompt_tokens(path)
         solo = logits_run(path, layout, texts[:1], steps, threads(args), llama_split=False)
         batched = logits_run(path, layout, texts, steps, threads(args), llama_split=False)
         entry["batched_vs_solo_diff"] = max(
