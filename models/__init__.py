@@ -38,6 +38,7 @@ from . import (  # noqa: F401 - importing an architecture registers it
     qwen3,
     qwen3moe,
     qwen3next,
+    qwen35,
 )
 from .base import REGISTRY, Model, ModelError, bind, model_class, register, registry_name, require_uint, weight
 from .graphs import Graph, Graphs

@@ -42,7 +42,9 @@ class Norms:
 class LinearLayer(Norms):
     qkv: Tensor = weight("attn_qkv.weight")  # hidden -> q, k (key heads), v (value heads)
     gate: Tensor = weight("attn_gate.weight")  # hidden -> z
-    ssm_ba: Tensor = weight("ssm_ba.weight")  # hidden -> per key head: beta, alpha of its value heads
+    ssm_ba: Tensor | None = weight("ssm_ba.weight", optional=True)  # per key head: its value heads' beta, alpha
+    ssm_beta: Tensor | None = weight("ssm_beta.weight", optional=True)  # qwen35: beta and alpha apart
+    ssm_alpha: Tensor | None = weight("ssm_alpha.weight", optional=True)
     conv: Tensor = weight("ssm_conv1d.weight")  # (conv_kernel, channels), F32
     dt_bias: Tensor = weight("ssm_dt.bias")
     ssm_a: Tensor = weight("ssm_a")  # (value heads,): -exp(A_log)
@@ -136,17 +138,14 @@ class Qwen3Next(Model):
     def delta_net(self, ctx: Context, layer: LinearLayer, x: Tensor, i: int) -> Tensor:
         """Gated DeltaNet mixing of x (hidden, n), each sequence of the batch from its own states."""
         kd, kh, vh, channels, d_conv = self.k_dim, self.k_heads, self.v_heads, self.channels, self.d_conv - 1
-        per_k = vh // kh
         qkv = layer.qkv.matmul(x)
         z = layer.gate.matmul(x)
-        ba = layer.ssm_ba.matmul(x)
-        stride, z_stride, ba_stride = qkv.strides[1], z.strides[1], ba.strides[1]
+        gates, betas = self.gates(layer, x)
+        stride, z_stride = qkv.strides[1], z.strides[1]
         outputs = []
         for s, (begin, count) in enumerate(self.cache.spans()):
-            b = ba.view(begin * ba_stride, (per_k, kh, count), (2 * per_k * 4, ba_stride))
-            beta = b.contiguous().sigmoid().reshape(1, vh, count, 1)
-            a = ba.view(begin * ba_stride + per_k * 4, (per_k, kh, count), (2 * per_k * 4, ba_stride))
-            gate = a.contiguous(vh, count, 1).add(layer.dt_bias).softplus().mul(layer.ssm_a).reshape(1, vh, count, 1)
+            at, strides = begin * vh * 4, (4, vh * 4, vh * count * 4)
+            beta, gate = (t.view(at, (1, vh, count, 1), strides) for t in (betas, gates))
             conv_state = self.cache.state(ctx, i, s, 0).reshape(d_conv, channels)
             conv_x = conv_state.concat(qkv.view(begin * stride, (channels, count)).transpose(), 0)
             new_conv = conv_x.view(count * 4, (d_conv, channels), (conv_x.strides[1],))
@@ -154,10 +153,8 @@ class Qwen3Next(Model):
             row = mixed.strides[1]
             q, k = (mixed.view(at, (kd, kh, count, 1), (kd * 4, row, row * count)) for at in (0, kh * kd * 4))
             v = mixed.view(2 * kh * kd * 4, (kd, vh, count, 1), (kd * 4, row, row * count))
-            q, k = (t.rms_norm(None, self.eps / kd).scale(1.0 / math.sqrt(kd)) for t in (q, k))  # L2 norms
-            if per_k > 1:  # each key head serves its per_k value heads, in turn
-                q, k = (t.reshape(kd, 1, kh, count).repeat_to(kd, per_k, kh, count).reshape(kd, vh, count, 1)
-                        for t in (q, k))
+            q, k = (self.for_value_heads(t.rms_norm(None, self.eps / kd).scale(1.0 / math.sqrt(kd)))
+                    for t in (q, k))  # L2-normed
             state = self.cache.state(ctx, i, s, 1).reshape(kd, kd, vh, 1)
             result = q.gated_delta_net(k, v, gate, beta, state)
             self.cache.update(ctx, i, s, [new_conv, result.view(kd * vh * count * 4, (kd * kd * vh,))])
@@ -169,6 +166,36 @@ class Qwen3Next(Model):
             y = y.concat(more, 1)
         return layer.ssm_out.matmul(y).set_name(f"linear_attn_out-{i}")
 
+    def gates(self, layer: LinearLayer, x: Tensor) -> tuple[Tensor, Tensor]:
+        """The delta rule's decay gate softplus(alpha + dt_bias) * A and its beta sigmoid(beta), (1, value
+        heads, n) each: from ssm_ba (per key head, its value heads' betas then alphas) or ssm_beta/ssm_alpha."""
+        vh, n = self.v_heads, x.ne[1]
+        if layer.ssm_ba is not None:
+            ba, per_k = layer.ssm_ba.matmul(x), vh // self.k_heads
+            b, a = (ba.view(at, (per_k, self.k_heads, n), (2 * per_k * 4, ba.strides[1])) for at in (0, per_k * 4))
+            beta, alpha = b.contiguous().sigmoid(), a.contiguous(vh, n)
+        elif layer.ssm_beta is not None and layer.ssm_alpha is not None:
+            beta, alpha = layer.ssm_beta.matmul(x).sigmoid(), layer.ssm_alpha.matmul(x)
+        else:
+            raise ModelError("a linear-attention layer needs ssm_ba.weight, or ssm_beta.weight and ssm_alpha.weight")
+        gate = alpha.add(layer.dt_bias).softplus().mul(layer.ssm_a)
+        return gate.reshape(1, vh, n), beta.reshape(1, vh, n)
+
+    def for_value_heads(self, t: Tensor) -> Tensor:
+        """Normed queries or keys (key size, key heads, n, 1) for the delta rule: each key head repeated for
+        the value heads it serves, in turn (qwen3next's order)."""
+        kd, kh, per_k, n = self.k_dim, self.k_heads, self.v_heads // self.k_heads, t.ne[2]
+        if per_k == 1:
+            return t
+        return t.reshape(kd, 1, kh, n).repeat_to(kd, per_k, kh, n).reshape(kd, self.v_heads, n, 1)
+
+    def rope(self, t: Tensor, positions: Tensor) -> Tensor:
+        return t.rope(positions, self.n_rot, self.rope_base, 1.0, None, self.rope_options)
+
+    def rope_positions(self, ctx: Context, batch: Batch, positions: Tensor) -> Tensor:
+        """What the attention layers rotate by: the batch's positions."""
+        return positions
+
     def self_attention(self, ctx: Context, layer: AttentionLayer, x: Tensor, positions: Tensor, i: int) -> Tensor:
         n, d, heads = x.ne[1], self.head_dim, self.heads
         full = layer.attn_q.matmul(x).reshape(2 * d, heads, n)
@@ -176,8 +203,7 @@ class Qwen3Next(Model):
         gate = full.view(d * 4, (d, heads, n), full.strides[1:3])
         k = layer.attn_k.matmul(x).reshape(d, self.kv_heads, n).rms_norm(layer.attn_k_norm, self.eps)
         v = layer.attn_v.matmul(x).reshape(d, self.kv_heads, n)
-        q = q.rope(positions, self.n_rot, self.rope_base, 1.0, None, self.rope_options)
-        k = k.rope(positions, self.n_rot, self.rope_base, 1.0, None, self.rope_options)
+        q, k = self.rope(q, positions), self.rope(k, positions)
         out = attention(ctx, q, k, v, 1.0 / math.sqrt(d), self.cache).reshape(d * heads, n)
         out = out.mul(gate.contiguous(d * heads, n).sigmoid())
         return layer.attn_output.matmul(out).set_name(f"attn_output-{i}")
@@ -203,6 +229,7 @@ class Qwen3Next(Model):
         positions = inputs.from_numpy(batch.positions).set_name("positions")
         h = self.weights.token_embd.rows(inputs.from_numpy(batch.tokens).set_name("tokens"))
         outputs = inputs.from_numpy(batch.outputs).set_name("outputs") if len(batch.outputs) else None
+        positions = self.rope_positions(ctx, batch, positions)
         last = self.blocks - 1
         for i, layer in enumerate(self.layers):
             self.cache.set_layer(i)

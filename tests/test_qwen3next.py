@@ -1,9 +1,11 @@
-"""qwen3next (gated DeltaNet and gated full attention on kvcache.Recurrent, mixtures with a shared
-expert) against llama.cpp, batched, memory, diff, the runner.
+"""qwen3next, qwen35 and qwen35moe (gated DeltaNet and gated full attention on kvcache.Recurrent,
+mixtures with a shared expert) against llama.cpp, batched, memory, diff, the runner.
 
 The tiny-qwen3next preset: four layers, gated DeltaNet in 0-2 (2 key heads of 16 each serving 2 of the 4
 value heads, 4 conv taps), gated full attention in 3 (head size 32, NeoX RoPE over 8 dims); every layer
-a mixture of 8 SwiGLU experts (2 used) plus a sigmoid-gated shared expert.
+a mixture of 8 SwiGLU experts (2 used) plus a sigmoid-gated shared expert. tiny-qwen35 and tiny-qwen35moe:
+the same shapes with beta and alpha projected apart, value heads reading key heads in qwen35's order,
+multimodal RoPE (sections 2, 1, 1, 0), and a SwiGLU FFN (qwen35) or the mixtures (qwen35moe).
 Measured against llama.cpp (which runs its fused ggml_gated_delta_net on the CPU, as we do) on the same
 batches: bit-identical logits in the cases run here at the time of writing; the tolerance is 1e-4 on
 logprobs, as test_lfm2. Two sequences per batch are compared with quantized weights only, for
@@ -34,9 +36,9 @@ TOLERANCE = 1e-4
 def synthetic(tmp_path_factory: pytest.TempPathFactory):
     folder = tmp_path_factory.mktemp("qwen3next")
 
-    def write(weight_type: str = "Q8_0", **options) -> Path:
-        path = folder / f"qwen3next-{weight_type}-{'-'.join(f'{k}{v}' for k, v in options.items())}.gguf"
-        return path if path.exists() else write_synthetic(path, "qwen3next", weight_type=weight_type, **options)
+    def write(weight_type: str = "Q8_0", arch: str = "qwen3next", **options) -> Path:
+        path = folder / f"{arch}-{weight_type}-{'-'.join(f'{k}{v}' for k, v in options.items())}.gguf"
+        return path if path.exists() else write_synthetic(path, arch, weight_type=weight_type, **options)
 
     return write
 
@@ -76,20 +78,33 @@ def test_greedy_decoding_matches(synthetic, weight_type, sequences, flash, optio
 
 
 @pytest.mark.reference
-def test_diff_finds_every_tensor_equal_to_llama_cpps(synthetic):
+@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])
+@pytest.mark.parametrize(("weight_type", "sequences", "flash"), [("F32", 1, False), ("Q8_0", 2, False),
+                                                                 ("Q4_0", 2, True)])
+def test_qwen35_greedy_decoding_matches(synthetic, arch, weight_type, sequences, flash):
+    """qwen35 and qwen35moe: beta and alpha apart, key heads broadcast in qwen35's order, multimodal RoPE."""
+    worst = compare_schedule(synthetic(weight_type, arch), flash=flash, cache_type="f16", sequences=sequences,
+                             steps=8, tolerance=TOLERANCE, prompts=PROMPTS)
+    assert worst < TOLERANCE
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("arch", ["qwen3next", "qwen35"])
+def test_diff_finds_every_tensor_equal_to_llama_cpps(synthetic, arch):
     """ollama-engine diff: every layer's output (DeltaNet and attention layers) and the logits, bitwise."""
-    result = diff.run_diff(synthetic("F32"), PROMPTS[0], threads=1, generate=2)
+    result = diff.run_diff(synthetic("F32", arch), PROMPTS[0], threads=1, generate=2)
     assert result.first_over is None and not result.departs
     assert all(t.max_abs == 0 for t in result.tensors), [t for t in result.tensors if t.max_abs != 0]
     assert {*(f"l_out-{i}" for i in range(4)), "linear_attn_out-0", "attn_output-3", "result_norm",
             "result_output"} <= {t.name for t in result.tensors}
 
 
-@pytest.mark.parametrize("flash", [False, True])
-def test_batched_equals_solo(synthetic, flash):
+@pytest.mark.parametrize(("arch", "flash"), [("qwen3next", False), ("qwen3next", True), ("qwen35", False),
+                                            ("qwen35moe", True)])
+def test_batched_equals_solo(synthetic, arch, flash):
     """A sequence's logits do not depend on another sequence sharing its batches (prompt of another length,
     then decode steps that cross checkpoint positions): bitwise."""
-    model = load_model(synthetic(), num_threads=1, flash_attention=flash)
+    model = load_model(synthetic(arch=arch), num_threads=1, flash_attention=flash)
     try:
         model.backend.load()
         model.cache.init(model.backend, cache_dtype("f16"), 2, 256, 32)
@@ -102,12 +117,13 @@ def test_batched_equals_solo(synthetic, flash):
         model.close()
 
 
-def test_fit_equals_alloc_and_states_are_reported_per_layer(synthetic):
+@pytest.mark.parametrize("arch", ["qwen3next", "qwen35"])
+def test_fit_equals_alloc_and_states_are_reported_per_layer(synthetic, arch):
     """fit reports what alloc allocates; a DeltaNet layer's cache is its state rows (conv state and the
     delta rule's state side by side; slots, checkpoints, a zero and a scratch row), the attention layer's
     its keys and values."""
     params = LoadParams(parallel=2, batch_size=32, kv_size=256, num_threads=1)
-    with fitted_then_allocated(str(synthetic()), params) as loaded:
+    with fitted_then_allocated(str(synthetic(arch=arch)), params) as loaded:
         cache = loaded.model.cache
         assert isinstance(cache, Recurrent)
         report = loaded.memory.cpu.cache
@@ -125,15 +141,17 @@ def test_fit_equals_alloc_and_states_are_reported_per_layer(synthetic):
 @pytest.mark.parametrize(("options", "message"), [
     ({"conv_width": 1}, "ssm.conv_kernel 1 at least 2"),
     ({"ssm_groups": 3}, "ssm.time_step_rank 4 a multiple of ssm.group_count 3"),
+    ({"arch": "qwen35", "rope_sections": (3, 2, 0, 0)}, "rope.dimension_sections .* at most 4 in all"),
 ])
 def test_unsupported_files_are_a_clear_error(synthetic, options, message):
     with pytest.raises(ModelError, match=message):
         load_model(synthetic(**options), allocate=False)
 
 
-def test_the_batch_loop_gives_batched_the_solo_logprobs(synthetic):
+@pytest.mark.parametrize("arch", ["qwen3next", "qwen35"])
+def test_the_batch_loop_gives_batched_the_solo_logprobs(synthetic, arch):
     """Through the runner's batch loop (prompts longer than a batch, shared prefixes, two slots): six
     completions one after the other, then two at a time; the same greedy tokens and logprobs, exactly."""
-    solo = run_prompts(synthetic(), 2, False, concurrent=False)
-    batched = run_prompts(synthetic(), 2, False, concurrent=True)
+    solo = run_prompts(synthetic(arch=arch), 2, False, concurrent=False)
+    batched = run_prompts(synthetic(arch=arch), 2, False, concurrent=True)
     assert max(logprob_gap(a, b) for a, b in zip(solo, batched, strict=True)) == 0.0

@@ -31,16 +31,18 @@ from ollama_engine.fs.gguf_file import Conversion, GGUFFile
 ARCHITECTURES = (
     "llama", "qwen2", "qwen3", "bert", "gemma2", "gemma3", "qwen3moe", "nomic-bert", "phi3", "olmo2", "mistral3",
     "gpt-oss", "llama4", "deepseek2",
-    "qwen2moe", "nomic-bert-moe", "lfm2", "lfm2moe", "nemotron_h", "nemotron_h_moe", "qwen3next",
+    "qwen2moe", "nomic-bert-moe", "lfm2", "lfm2moe", "nemotron_h", "nemotron_h_moe", "qwen3next", "qwen35",
+    "qwen35moe",
 )
 _ROPE_ARCHITECTURES = (
     "llama", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3moe", "nomic-bert", "phi3", "olmo2", "mistral3",
     "gpt-oss", "llama4", "deepseek2",
-    "qwen2moe", "nomic-bert-moe", "lfm2", "lfm2moe", "qwen3next",
+    "qwen2moe", "nomic-bert-moe", "lfm2", "lfm2moe", "qwen3next", "qwen35", "qwen35moe",
 )
 _POST_NORM_ARCHITECTURES = ("gemma2", "gemma3", "olmo2")  # olmo2: post-norms only, q/k norms over all heads
 # a router and stacked experts instead of the FFN
-_MOE_ARCHITECTURES = ("qwen3moe", "gpt-oss", "llama4", "qwen2moe", "lfm2moe", "nemotron_h_moe", "qwen3next")
+_MOE_ARCHITECTURES = ("qwen3moe", "gpt-oss", "llama4", "qwen2moe", "lfm2moe", "nemotron_h_moe", "qwen3next",
+                      "qwen35moe")
 _BERT_ARCHITECTURES = ("bert", "nomic-bert", "nomic-bert-moe")  # encoders: post-norm, pooled
 _OLLAMA_NAMES = {"gpt-oss": "gptoss", "olmo2": "olmo3"}  # Ollama's converters' architecture names (layout "ollama")
 
@@ -132,6 +134,7 @@ class ModelSpec:
     ssm_groups: int = 1
     rope_dims: int | None = None  # rope.dimension_count where it is not the head size (qwen3next: partial)
     full_attention_interval: int = 4  # qwen3next: every n-th layer is full attention, the others DeltaNet
+    rope_sections: tuple[int, ...] = ()  # qwen35: rope.dimension_sections (multimodal RoPE)
     name: str = "synthetic"
 
     @property
@@ -571,6 +574,19 @@ PRESETS: dict[str, ModelSpec] = {
         eps=1e-6,
         name="tiny-qwen3next",
     ),
+    # qwen35: tiny-qwen3next's layers with beta and alpha projected apart, multimodal RoPE (sections 2, 1, 1
+    # of the 4 rotated pairs) and a SwiGLU FFN; qwen35moe: the same with tiny-qwen3next's mixtures
+    "tiny-qwen35": ModelSpec(
+        arch="qwen35", n_layer=4, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_ff=64, vocab="gpt-2",
+        context_length=512, rope_base=1000000.0, tied_embeddings=False, rope_dims=8, rope_sections=(2, 1, 1, 0),
+        conv_width=4, ssm_inner=64, ssm_state=16, ssm_heads=4, ssm_groups=2, eps=1e-6, name="tiny-qwen35",
+    ),
+    "tiny-qwen35moe": ModelSpec(
+        arch="qwen35moe", n_layer=4, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_ff=64, vocab="gpt-2",
+        context_length=512, rope_base=1000000.0, tied_embeddings=False, rope_dims=8, rope_sections=(2, 1, 1, 0),
+        conv_width=4, ssm_inner=64, ssm_state=16, ssm_heads=4, ssm_groups=2, n_expert=8, n_expert_used=2,
+        n_ff_exp=32, eps=1e-6, name="tiny-qwen35moe",
+    ),
     "smollm2-135m": ModelSpec(
         arch="llama",
         n_layer=30,
@@ -796,7 +812,7 @@ def _tensor_plan(spec: ModelSpec, n_vocab: int, qtype: GGMLQuantizationType) -> 
     if spec.arch in ("nemotron_h", "nemotron_h_moe"):
         yield from _nemotron_h_tensors(tensor, spec)
         return
-    if spec.arch == "qwen3next":
+    if spec.arch in ("qwen3next", "qwen35", "qwen35moe"):
         yield from _qwen3next_tensors(tensor, spec)
         return
     for i in range(spec.n_layer):
@@ -910,7 +926,11 @@ def _qwen3next_tensors(tensor, spec: ModelSpec) -> Iterator[_Tensor]:
         if (i + 1) % spec.full_attention_interval:  # the kernel, A and the norms stay F32
             yield tensor(MODEL_TENSOR.ATTN_QKV, "weight", (n_embd, 2 * key_dim + inner), "matrix", i)
             yield tensor(MODEL_TENSOR.ATTN_GATE, "weight", (n_embd, inner), "matrix", i)
-            yield tensor(MODEL_TENSOR.SSM_BETA_ALPHA, "weight", (n_embd, 2 * v_heads), "matrix", i)
+            if spec.arch == "qwen3next":
+                yield tensor(MODEL_TENSOR.SSM_BETA_ALPHA, "weight", (n_embd, 2 * v_heads), "matrix", i)
+            else:  # qwen35: beta and alpha apart
+                yield tensor(MODEL_TENSOR.SSM_BETA, "weight", (n_embd, v_heads), "matrix", i)
+                yield tensor(MODEL_TENSOR.SSM_ALPHA, "weight", (n_embd, v_heads), "matrix", i)
             yield tensor(MODEL_TENSOR.SSM_CONV1D, "weight", (spec.conv_width, 2 * key_dim + inner), "table", i)
             yield tensor(MODEL_TENSOR.SSM_DT, "bias", (v_heads,), "bias", i)
             yield _Tensor(TENSOR_NAMES[MODEL_TENSOR.SSM_A].format(bid=i), (v_heads,), "decay",
@@ -924,6 +944,11 @@ def _qwen3next_tensors(tensor, spec: ModelSpec) -> Iterator[_Tensor]:
                 yield tensor(key, "weight", shape, "matrix", i)
             yield tensor(MODEL_TENSOR.ATTN_Q_NORM, "weight", (spec.n_rot,), "norm", i)
             yield tensor(MODEL_TENSOR.ATTN_K_NORM, "weight", (spec.n_rot,), "norm", i)
+        if spec.arch == "qwen35":
+            yield tensor(MODEL_TENSOR.FFN_GATE, "weight", (n_embd, n_ff), "matrix", i)
+            yield tensor(MODEL_TENSOR.FFN_DOWN, "weight", (n_ff, n_embd), "matrix", i)
+            yield tensor(MODEL_TENSOR.FFN_UP, "weight", (n_embd, n_ff), "matrix", i)
+            continue
         yield from _expert_tensors(tensor, spec, i)
         yield tensor(MODEL_TENSOR.FFN_GATE_INP_SHEXP, "weight", (n_embd,), "table", i)
         yield tensor(MODEL_TENSOR.FFN_GATE_SHEXP, "weight", (n_embd, n_ff), "matrix", i)
@@ -1143,8 +1168,10 @@ def _add_hparams(writer: gguf.GGUFWriter, spec: ModelSpec, n_vocab: int, file_ty
             writer.add_expert_weights_norm(True)
             writer.add_expert_weights_scale(2.5)
             writer.add_expert_group_count(1)
-    elif spec.arch == "qwen3next":
+    elif spec.arch in ("qwen3next", "qwen35", "qwen35moe"):
         writer.add_head_count_kv(spec.n_head_kv)
+        if spec.rope_sections:
+            writer.add_rope_dimension_sections(list(spec.rope_sections))
         writer.add_ssm_conv_kernel(spec.conv_width)
         writer.add_ssm_state_size(spec.ssm_state)
         writer.add_ssm_group_count(spec.ssm_groups)
@@ -1178,7 +1205,7 @@ def _add_hparams(writer: gguf.GGUFWriter, spec: ModelSpec, n_vocab: int, file_ty
         writer.add_expert_feed_forward_length(spec.n_ff_exp)
         if spec.arch == "llama4":
             writer.add_uint32(f"{writer.arch}.interleave_moe_layer_step", spec.moe_every)
-        if spec.arch in ("qwen2moe", "qwen3next"):
+        if spec.arch in ("qwen2moe", "qwen3next", "qwen35moe"):
             writer.add_expert_shared_feed_forward_length(spec.n_ff)
     writer.add_rope_freq_base(spec.rope_base)
     writer.add_rope_dimension_count(spec.rope_dims or spec.n_rot)

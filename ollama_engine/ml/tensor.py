@@ -274,6 +274,24 @@ class Tensor:
         )
         return Tensor(ctx, handle)
 
+    def rope_multi(self, positions: Tensor, dims: int, sections: Sequence[int], base: float,
+                   options: RopeOptions = RopeOptions()) -> Tensor:  # noqa: B008 - frozen dataclass
+        """Interleaved multimodal RoPE (ggml_rope_multi, IMROPE) of (head_dim, heads, tokens): positions (I32,
+        4 * tokens) hold each token's 4 position components, sections (4) how many rotated pairs each
+        component drives."""
+        if positions.dtype != DType.I32 or positions.ne[0] != 4 * self.ne[2] or len(sections) != 4:
+            raise ShapeError(f"rope_multi: positions {positions.shape} and sections {tuple(sections)} for input "
+                             f"{self.shape}: 4 positions per token, 4 sections")
+        if dims > self.ne[0] or dims % 2:
+            raise ShapeError(f"rope_multi: {dims} rotary dims for head size {self.ne[0]}")
+        ctx = self._graph(positions)
+        handle = ops.rope_multi(
+            ctx.handle, self.handle, positions.handle, ggml.NULL, dims, [int(s) for s in sections],
+            ops.ROPE_TYPE_IMROPE, options.original_context, base, 1.0, options.extrapolation_factor,
+            options.attention_factor, options.beta_fast, options.beta_slow,
+        )
+        return Tensor(ctx, handle)
+
     def softmax(self, mask: Tensor | None = None, scale: float = 1.0, sinks: Tensor | None = None) -> Tensor:
         """softmax(self * scale + mask) along rows; sinks (F32, one per head: dim 2) add a logit to each
         head's denominator that takes probability without a value (gpt-oss's attention sinks)."""
@@ -503,12 +521,14 @@ class Tensor:
                                         ids.handle, 1))
 
     def gated_delta_net(self, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> Tensor:
-        """The gated delta rule (ggml_gated_delta_net) with self the queries: q and k (S, heads, tokens,
-        sequences), v the same, g and beta (1, heads, tokens, sequences), state (S, S, heads, sequences),
-        all F32, g beta and state contiguous. Returns (S * heads, tokens * sequences + S * sequences): the
+        """The gated delta rule (ggml_gated_delta_net) with self the queries: q and k (S, key heads, tokens,
+        sequences), v (S, heads, tokens, sequences), heads a multiple of key heads (value head h reads key
+        head h mod key heads), g and beta (1, heads, tokens, sequences), state (S, S, heads, sequences), all
+        F32, g beta and state contiguous. Returns (S * heads, tokens * sequences + S * sequences): the
         outputs, then the new states."""
         q, shape = self.ne, v.ne
-        if (q != shape or k.ne != shape or g.ne != (1, *shape[1:]) or beta.ne != g.ne
+        if (q[0] != shape[0] or q[2:] != shape[2:] or shape[1] % q[1] or k.ne != q or g.ne != (1, *shape[1:])
+                or beta.ne != g.ne
                 or state.ne != (shape[0], shape[0], shape[1], shape[3])
                 or any(t.dtype != DType.F32 for t in (self, k, v, g, beta, state))):
             raise ShapeError(f"gated_delta_net: q {self.shape}, k {k.shape}, v {v.shape}, g {g.shape}, "
