@@ -172,13 +172,17 @@ def measure(name: str, path: Path, threads: int, prompt: str) -> dict[str, Any]:
 
 
 def main() -> int:
+    global PREDICT
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="llama-3.2-1b-f16,llama-3.1-8b")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", help="write the results here too")
+    parser.add_argument("--prompt-words", type=int, default=PROMPT_WORDS)
+    parser.add_argument("--predict", type=int, default=PREDICT)
     args = parser.parse_args()
+    PREDICT = args.predict
     words = ["apple", "river", "stone", "cloud", "paper", "window", "garden", "silver"]
-    prompt = " ".join(words[i % len(words)] for i in range(PROMPT_WORDS))
+    prompt = " ".join(words[i % len(words)] for i in range(args.prompt_words))
     results = []
     for name in args.models.split(","):
         path = bench.ensure_model(name)

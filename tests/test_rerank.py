@@ -39,8 +39,8 @@ DOCUMENTS = [
 ]
 # largest |ours - llama.cpp| over the scores; measured on one thread: 0 for F32, F16 and Q8_0 and for the
 # XLM-R vocabulary (the same ggml
-# operations in the same order). Flash attention is off on both sides: with it llama.cpp casts an encoder's
-# F32 K and V to F16 (llm_graph_context::build_attn_mha) and our attention does not, ~6e-4 apart.
+# operations in the same order). Flash attention is off on both sides here (with it, both cast an encoder's F32 K
+# and V to F16 first, as llm_graph_context::build_attn_mha does: tests/test_embeddings.py compares that way too).
 TOLERANCE = 1e-6
 # serve's runner computes with its own thread count (and CPU weight layout) where the in-process model uses one
 # thread: ggml's kernels may then sum in another order; measured 2e-6 apart, far below the scores' gaps (> 2e-3)
@@ -218,7 +218,7 @@ def http(server: str) -> Iterator[httpx.Client]:
 @pytest.fixture(scope="module")
 def expected(reranker) -> list[float]:
     """Our in-process scores of DOCUMENTS (equal to llama.cpp's: test_scores_match_llama_cpp)."""
-    model = load_model(reranker(), num_threads=THREADS)
+    model = load_model(reranker(), num_threads=THREADS, flash_attention=True)  # serve's default: auto, on
     model.backend.load()
     try:
         return [float(rerank(model, QUERY, d, CONTEXT).vector[0]) for d in DOCUMENTS]

@@ -199,13 +199,15 @@ def test_sampled_draws_the_same_tokens(runner, seed):
 
 def test_through_a_context_shift(model):
     """A 96-token context: the copy overflows it, the slot shifts (the drafts never cause a shift of their own)."""
-    runner, loaded = open_runner(model, parallel=1, kv_size=96)
-    try:
-        plain = Run(runner, COPY, False, num_predict=150)
-        spec = Run(runner, COPY, True, num_predict=150)
-    finally:
-        runner.close()
-        loaded.close()
+    runs = []
+    for speculate in (False, True):  # each on a fresh runner: both cold, nothing from the other's cache
+        runner, loaded = open_runner(model, parallel=1, kv_size=96)
+        try:
+            runs.append(Run(runner, COPY, speculate, num_predict=150))
+        finally:
+            runner.close()
+            loaded.close()
+    plain, spec = runs
     assert plain.seq.num_prompt_inputs + len(plain.entries) > 96  # the context shifted
     assert spec.logprobs == plain.logprobs
     assert_accepted(spec)

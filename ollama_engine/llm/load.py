@@ -53,12 +53,14 @@ class LoadOptions:
     sched_spread: bool = False  # OLLAMA_SCHED_SPREAD
 
     def request(self, operation: LoadOperation, gpu_layers: GPULayersList) -> dict[str, Any]:
-        """The LoadRequest JSON; the KV cache holds num_ctx tokens for every parallel sequence."""
+        """The LoadRequest JSON; the KV cache holds num_ctx tokens for every parallel sequence. Our separate
+        key and value types travel only when set, so the request is Ollama's own otherwise."""
+        separate = {key: value for key, value in (("KvCacheTypeK", self.kv_cache_type_k),
+                                                  ("KvCacheTypeV", self.kv_cache_type_v)) if value}
         return {
             "Operation": int(operation), "LoraPath": None, "Parallel": self.parallel,
             "BatchSize": min(self.batch_size, self.num_ctx), "FlashAttention": self.flash_attention,
-            "KvSize": self.num_ctx * self.parallel, "KvCacheType": self.kv_cache_type,
-            "KvCacheTypeK": self.kv_cache_type_k, "KvCacheTypeV": self.kv_cache_type_v,
+            "KvSize": self.num_ctx * self.parallel, "KvCacheType": self.kv_cache_type, **separate,
             "NumThreads": self.num_threads, "GPULayers": gpu_layers.to_json() or None,
             "MultiUserCache": self.multi_user_cache, "ProjectorPath": "", "MainGPU": 0, "UseMmap": False,
         }

@@ -218,6 +218,8 @@ class Runner:
                             break
                         try:
                             self.cache.shift_slot(slot, seq.num_keep)
+                            if seq.spec is not None:
+                                seq.spec.stopped = True
                         except ReprocessInputsError as err:
                             seq.inputs = err.inputs + seq.inputs  # i == 0 here: nothing batched yet
                             state.seqs[index] = None
