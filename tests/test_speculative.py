@@ -174,6 +174,9 @@ def test_greedy_with_a_json_grammar(runner):
 
 
 def test_greedy_with_a_schema_while_others_run(runner):
+    if runner.model.backend.repacked_weights():  # the other request's rows may share the prompt's batch
+        pytest.skip("repacked weights: a prompt batched with another sequence's rows differs from solo without "
+                    "speculation too (the README's Numerics); alone and with a grammar are tested")
     schema = format_grammar({"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]})
     plain = Run(runner, JSON_PROMPT, False, schema, num_predict=80)
     with ThreadPoolExecutor(2) as pool:
