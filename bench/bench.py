@@ -242,7 +242,7 @@ def run_worker(engine: str, task: str, model: Path, prompts: Path, args: argpars
         sys.executable, str(Path(__file__).resolve()), "--worker", engine, "--task", task, "--model-path",
         str(model), "--prompts", str(prompts), "--threads", str(args.threads), "--streams", args.streams,
         "--t0", repr(time.time()),
-    ] + (["--gpu"] if gpu else []) + (["--verbose"] if args.verbose else [])
+    ] + (["--gpu"] if gpu else []) + (["--verbose"] if args.verbose else []) + (["--mmap"] if args.mmap else [])
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=None if args.verbose else
                                subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -514,6 +514,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-wait", type=float, default=600,
                         help="seconds to wait for other processes to leave the CPU before each measurement")
     parser.add_argument("--verbose", action="store_true", help="the engines' own logs on stderr")
+    parser.add_argument("--mmap", action="store_true",
+                        help="the runner maps the model file (UseMmap), as llama.cpp does by default; else it reads it")
     parser.add_argument("--report", metavar="JSON", help="print the tables of an earlier run's --json file and exit")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--task", help=argparse.SUPPRESS)
@@ -528,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
         return workers.run_worker(workers.WorkerArgs(
             engine=args.worker, task=args.task, model=args.model_path,
             prompts=json.loads(Path(args.prompts).read_text()), threads=args.threads, t0=args.t0, gpu=args.gpu,
-            streams=[int(s) for s in args.streams.split(",") if s], verbose=args.verbose,
+            streams=[int(s) for s in args.streams.split(",") if s], verbose=args.verbose, mmap=args.mmap,
         ))
 
     if args.report:

@@ -40,6 +40,7 @@ class WorkerArgs:
     gpu: bool
     streams: list[int]
     verbose: bool
+    mmap: bool = False  # the runner maps the file as llama.cpp does by default (UseMmap); else it reads it
 
 
 def peak_rss_mib(pid: int | str = "self") -> float:
@@ -345,7 +346,7 @@ def start_runner(a: WorkerArgs, num_ctx: int, parallel: int):
     total_layers = GGUFFile.open(a.model).config.get_uint("block_count") + 1
     options = LoadOptions(
         num_ctx=num_ctx, parallel=parallel, batch_size=BATCH, num_gpu=-1 if a.gpu else 0,
-        num_threads=a.threads, flash_attention=0, kv_cache_type="f16",
+        num_threads=a.threads, flash_attention=0, kv_cache_type="f16", use_mmap=a.mmap,
     )
     start = time.perf_counter()
     handle = RunnerHandle.start(a.model)

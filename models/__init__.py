@@ -52,16 +52,18 @@ def load_model(
     num_threads: int | None = None,
     flash_attention: bool = False,
     repack_weights: bool = True,
+    use_mmap: bool = False,
 ) -> Model:
     """The model in the GGUF file at `path`, on the devices `gpu_layers` chooses (default: the CPU).
 
-    repack_weights=False keeps ggml's plain weight layout on the CPU (see Backend).
+    repack_weights=False keeps ggml's plain weight layout on the CPU; use_mmap=True maps the file for the
+    CPU's weights instead of reading them (see Backend).
     """
     file, tokenizer = _read(path)
     factory = model_class(file.config)
     backend = Backend(
         file, gpu_layers, allocate=allocate, num_threads=num_threads, flash_attention=flash_attention,
-        repack_weights=repack_weights, unused_tensors=factory.unused_tensors(file.config),
+        repack_weights=repack_weights, unused_tensors=factory.unused_tensors(file.config), use_mmap=use_mmap,
     )
     try:
         return factory(backend, tokenizer)

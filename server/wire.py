@@ -214,7 +214,8 @@ def _strings(data: Mapping[str, Any], key: str) -> list[str]:
 
 @dataclass
 class LoadRequest:
-    """llm.LoadRequest. ProjectorPath, MainGPU and UseMmap are legacy and ignored (but compared)."""
+    """llm.LoadRequest. ProjectorPath and MainGPU are legacy and ignored (but compared); UseMmap maps the
+    file for the weights on the CPU (Ollama's Go engine ignored it, its llama.cpp runner did not)."""
 
     operation: LoadOperation = LoadOperation.FIT
     lora_path: list[str] = field(default_factory=list)
@@ -284,6 +285,7 @@ class LoadRequest:
             num_threads=self.num_threads,
             gpu_layers=tuple(self.gpu_layers),
             multi_user_cache=self.multi_user_cache,
+            use_mmap=self.use_mmap,
         )
 
 

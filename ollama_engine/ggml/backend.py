@@ -6,6 +6,7 @@ import ctypes
 import errno
 import functools
 import logging
+import mmap
 import os
 import sys
 import time
@@ -186,6 +187,45 @@ def place_tensor(buffer, tensor, offset: int = 0) -> None:
     status = lib.ggml_backend_tensor_alloc(buffer, tensor, ffi.cast("void *", buffer_base(buffer) + offset))
     if status != lib.GGML_STATUS_SUCCESS:
         raise RuntimeError(f"ggml_backend_tensor_alloc failed with status {status}")
+
+
+class MappedFile:
+    """Part of a file mapped into memory as a CPU weight buffer: ggml reads the weights in the page cache.
+
+    Private and writable (copy-on-write), so that nothing written by mistake reaches the file; the pages
+    ggml only reads stay the page cache's, shared with other processes mapping the same file, and are
+    read from disk on first touch (readahead is asked for at once, as llama.cpp's prefetch does).
+    """
+
+    def __init__(self, fd: int, offset: int, size: int):
+        self.offset = offset // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
+        length = offset + size - self.offset
+        if os.fstat(fd).st_size < offset + size:  # a page past the end would be a SIGBUS when read
+            raise OSError(f"model file ends at byte {os.fstat(fd).st_size}, inside a tensor's data")
+        self._map = mmap.mmap(fd, length, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE,
+                              offset=self.offset)
+        if hasattr(mmap, "MADV_WILLNEED"):
+            self._map.madvise(mmap.MADV_WILLNEED)
+        self._pin = ffi.from_buffer(self._map)
+        self.address = int(ffi.cast("uintptr_t", self._pin))
+        self.buffer = lib.ggml_backend_cpu_buffer_from_ptr(self._pin, length)
+        if self.buffer == NULL:
+            self.close()
+            raise MemoryError("ggml could not make a buffer of a mapped file")
+
+    def place(self, tensor, file_offset: int) -> None:
+        """Point a tensor at its bytes in the file (its data offset in the GGUF)."""
+        place_tensor(self.buffer, tensor, file_offset - self.offset)
+
+    def close(self) -> None:
+        """Free the ggml buffer (which does not own the memory), then unmap."""
+        if self.buffer is not None and self.buffer != NULL:
+            lib.ggml_backend_buffer_free(self.buffer)
+        self.buffer = None
+        if self._pin is not None:
+            ffi.release(self._pin)
+            self._pin = None
+        self._map.close()
 
 
 HUGE_PAGE = 2 << 20

@@ -49,6 +49,7 @@ class LoadOptions:
     kv_cache_type_k: str = ""  # the key or the value cache alone, where it differs from kv_cache_type
     kv_cache_type_v: str = ""
     multi_user_cache: bool = False
+    use_mmap: bool = False  # map the file for the CPU's weights (see mmap_weights)
     gpu_overhead: int = 0  # OLLAMA_GPU_OVERHEAD
     sched_spread: bool = False  # OLLAMA_SCHED_SPREAD
 
@@ -62,8 +63,17 @@ class LoadOptions:
             "BatchSize": min(self.batch_size, self.num_ctx), "FlashAttention": self.flash_attention,
             "KvSize": self.num_ctx * self.parallel, "KvCacheType": self.kv_cache_type, **separate,
             "NumThreads": self.num_threads, "GPULayers": gpu_layers.to_json() or None,
-            "MultiUserCache": self.multi_user_cache, "ProjectorPath": "", "MainGPU": 0, "UseMmap": False,
+            "MultiUserCache": self.multi_user_cache, "ProjectorPath": "", "MainGPU": 0, "UseMmap": self.use_mmap,
         }
+
+
+def mmap_weights(requested: bool | None, gpus: Sequence[DeviceInfo], free_memory: int, file_size: int) -> bool:
+    """Whether the runner maps the model file (the `use_mmap` option where set), by Ollama's rule otherwise:
+    not for a CPU-only load (the weights should be memory of their own, not page cache that the kernel may
+    drop and read again) nor for a file larger than the free memory (mapped pages would thrash)."""
+    if requested is not None:
+        return requested
+    return bool(gpus) and file_size <= free_memory
 
 
 @dataclass

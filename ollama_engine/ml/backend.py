@@ -86,11 +86,13 @@ class Backend:
         memory_limits: dict[str, int] | None = None,
         repack_weights: bool = True,
         unused_tensors: Callable[[str], bool] | None = None,
+        use_mmap: bool = False,
     ):
         self.model = model
         self.unused_tensors = unused_tensors or (lambda name: False)  # neither allocated, counted nor read
         self.repack_weights = repack_weights
         self.allocate = allocate
+        self.use_mmap = use_mmap and allocate and model is not None
         self.flash_attention = flash_attention
         self.block_count = model.config.get_uint("block_count", 0) if model is not None else 0
         self.memory_limits = dict(memory_limits or {})
@@ -107,6 +109,8 @@ class Backend:
         self._placeholders: dict[int, object] = {}
         self._weight_contexts: list = []
         self._weight_buffers: list = []
+        self._mappings: list[ggml_backend.MappedFile] = []
+        self._mapped: dict[str, int] = {}  # weights that are the mapped file's bytes -> their size in the report
         self.huge_pages = huge_page_mode()
         self._collapser: threading.Thread | None = None
         self._stop_collapse = threading.Event()
@@ -249,7 +253,7 @@ class Backend:
         for (device, buft), entries in groups.items():
             ctx = ggml.new_context(len(entries))
             self._weight_contexts.append(ctx)
-            handles = []
+            handles, infos = [], []
             for placement, info in entries:
                 handle = ggml.new_tensor(ctx, int(info.ggml_type), tuple(info.shape))
                 ggml.set_name(handle, placement.name)
@@ -259,19 +263,25 @@ class Backend:
                 if buft != device.buffer_type:
                     self._repacked.add(placement.name)
                 handles.append(handle)
+                infos.append(info)
                 self._record(device, placement.layer, ggml_backend.padded_alloc_size(buft, handle), "weights")
-            allocations.append((device, buft, ctx, handles))
+            allocations.append((device, buft, ctx, handles, infos))
         for name, owner in shared.items():
             self.weights[name] = self.weights[owner]
         # every weight is sized before anything is allocated, so a failure reports all of them
-        for device, buft, ctx, handles in allocations:
+        for device, buft, ctx, handles, infos in allocations:
             if not self.allocate:
                 buffer = self.placeholder_buffer(device)
                 for handle in handles:
                     ggml.set_buffer(handle, buffer)
                 continue
-            fits = self._within_limit(device)
-            buffer = ggml_backend.alloc_context_tensors(ctx, buft) if fits else None
+            if not self._within_limit(device):
+                raise NoMemory(self.memory)
+            if self.use_mmap and device is self.cpu and buft == device.buffer_type:
+                handles = self._map_weights(list(zip(handles, infos, strict=True)), buft)
+                if not handles:
+                    continue
+            buffer = ggml_backend.alloc_context_tensors(ctx, buft)
             if buffer is None:
                 raise NoMemory(self.memory)
             ggml_backend.mark_weights(buffer)
@@ -282,6 +292,25 @@ class Backend:
             log.debug("weights allocated", extra={
                 "device": device.name, "buffer_type": ggml_backend.buffer_type_name(buft),
                 "tensors": len(handles), "bytes": ggml_backend.buffer_size(buffer)})
+
+    def _map_weights(self, entries: list[tuple[object, object]], buft) -> list:
+        """Point the weights whose file bytes are ggml's at the mapped file (llama.cpp's mmap) and return
+        the handles of the rest (converted at load), to be allocated. Nothing is read until a graph reads it."""
+        mappable = [(handle, info) for handle, info in entries if info.conversion is None]
+        if not mappable:
+            return [handle for handle, _ in entries]
+        start = min(info.offset for _, info in mappable)
+        stop = max(info.offset + info.n_bytes for _, info in mappable)
+        fd = os.open(self.model.path, os.O_RDONLY)
+        try:
+            mapping = ggml_backend.MappedFile(fd, start, stop - start)
+        finally:
+            os.close(fd)
+        self._mappings.append(mapping)
+        for handle, info in mappable:
+            mapping.place(handle, info.offset)
+            self._mapped[ggml.get_name(handle)] = ggml_backend.padded_alloc_size(buft, handle)
+        return [handle for handle, info in entries if info.conversion is not None]
 
     def repacked_weights(self) -> set[str]:
         """The weights stored in a repacked layout (written whole at load; their bytes are not the file's)."""
@@ -349,6 +378,7 @@ class Backend:
         totals = {device.name: 0 for device in (self.cpu, *self.gpus)}
         for device, buffer in self._buffers:
             totals[device.name] += ggml_backend.buffer_size(buffer)
+        totals[self.cpu.name] += sum(self._mapped.values())  # the mapped file's bytes that are weights
         if self.scheduler is not None:
             for device, size in zip(self.compute_devices, self.scheduler.buffer_sizes(), strict=True):
                 totals[device.name] += size
@@ -387,6 +417,14 @@ class Backend:
 
         def load_one(fd: int, info) -> None:
             targets = self._load_targets[info.name]
+            mapped = [target for target in targets if target.name in self._mapped]
+            if mapped:  # already the file's bytes; other placements (a repacked copy) are written from them
+                source = ggml.host_bytes(mapped[0].handle)
+                for target in targets:
+                    if target.name not in self._mapped:
+                        ggml.write_bytes(target.handle, source)
+                advance(info.n_bytes)
+                return
             if info.conversion is not None:
                 load_converted(fd, info, targets)
                 return
@@ -487,6 +525,10 @@ class Backend:
         for _, buffer in self._buffers:
             ggml_backend.free_buffer(buffer)
         self._buffers = []
+        for mapping in self._mappings:
+            mapping.close()
+        self._mappings = []
+        self._mapped = {}
         self._weight_buffers = []
         self._placeholders = {}
         for ctx in self._weight_contexts:

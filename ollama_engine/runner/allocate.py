@@ -39,6 +39,7 @@ class LoadParams:
     num_threads: int = 0  # 0: the backend's default
     gpu_layers: tuple[GPULayers, ...] = field(default_factory=tuple)
     multi_user_cache: bool = False
+    use_mmap: bool = False  # the CPU's weights mapped from the file, not read into memory of their own
 
 
 class LoadedModel:
@@ -78,7 +79,7 @@ def open_model(path: str, params: LoadParams, allocate: bool) -> LoadedModel:
     """
     model = load_model(
         path, params.gpu_layers, allocate=allocate, num_threads=params.num_threads or None,
-        flash_attention=_flash_attention(params),
+        flash_attention=_flash_attention(params), use_mmap=params.use_mmap,
     )
     try:
         parallel, batch_size = params.parallel, params.batch_size

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import threading
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 import aiohttp
 
 from ollama_engine.envconfig import EnvConfig
-from ollama_engine.llm.load import LoadOptions, load
+from ollama_engine.llm.load import LoadOptions, load, mmap_weights
 from ollama_engine.llm.runner_handle import RunnerError, RunnerHandle, visible_devices_env
 from ollama_engine.ml.memory import BackendMemory, DeviceID, DeviceInfo, SystemInfo, resolve_flash_attention
 from ollama_engine.server.wire import ServerStatus
@@ -104,7 +105,7 @@ class LlamaServer:
 
     # ------------------------------------------------------------ loading
 
-    def _load_options(self, gpus: Sequence[DeviceInfo]) -> LoadOptions:
+    def _load_options(self, gpus: Sequence[DeviceInfo], system_info: SystemInfo) -> LoadOptions:
         flash, why = resolve_flash_attention(self.config.flash_attention, tuple(gpus))
         log.info("flash attention %s model=%s", why, self.model_path)
         kv_cache_type, value_type = self.config.kv_cache_type, self.config.kv_cache_type_v
@@ -121,6 +122,8 @@ class LlamaServer:
             num_gpu=self.options.num_gpu if self.options.num_gpu is not None else -1,
             num_threads=max(self.options.num_thread or 0, 0), flash_attention=flash,  # <= 0: the default
             kv_cache_type=kv_cache_type, kv_cache_type_k=self.config.kv_cache_type_k, kv_cache_type_v=value_type,
+            use_mmap=mmap_weights(self.options.use_mmap, gpus, system_info.free_memory,
+                                  os.path.getsize(self.model_path)),
             gpu_overhead=self.config.gpu_overhead,
             sched_spread=self.config.sched_spread,
         )
@@ -128,8 +131,9 @@ class LlamaServer:
     async def load(self, system_info: SystemInfo, gpus: Sequence[DeviceInfo], require_full: bool) -> list[DeviceID]:
         """fit → alloc → commit; raises LoadRequiredFullError when require_full and it does not fit."""
         await asyncio.to_thread(self.handle.wait_launched)
+        options = self._load_options(gpus, system_info)
         result = await asyncio.to_thread(
-            load, _Recorder(self), system_info, gpus, self.info.block_count + 1, self._load_options(gpus), require_full
+            load, _Recorder(self), system_info, gpus, self.info.block_count + 1, options, require_full
         )
         self.memory = result.memory
         return result.device_ids()
