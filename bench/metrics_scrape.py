@@ -1,7 +1,7 @@
 """Does scraping serve's /metrics slow decoding? 4 concurrent streams with and without a scraper polling
 /metrics every 100 ms, interleaved.
 
-    .venv/bin/python bench/metrics_scrape.py [--model GGUF] [--rounds 12] [--streams 4] [--n-predict 64]
+    .venv/bin/python bench/metrics_scrape.py [--model GGUF] [--rounds 12] [--streams 4] [--n-predict 64] [--threads N]
 
 Each round runs the same workload twice, once with the scraper and once without, the order swapped every
 round, so the machine's drift hits both alike; the result is the median over rounds of the round's ratio
@@ -73,6 +73,7 @@ def main() -> int:
     parser.add_argument("--n-predict", type=int, default=64)
     parser.add_argument("--words", type=int, default=40, help="prompt length in words")
     parser.add_argument("--interval", type=float, default=0.1, help="seconds between scrapes")
+    parser.add_argument("--threads", type=int, default=0, help="the runner's num_thread (0: every core)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.model is None:
@@ -83,7 +84,7 @@ def main() -> int:
     work = HERE / "out" / "metrics-scrape"
     work.mkdir(parents=True, exist_ok=True)
     with serve_process(work / "models", OLLAMA_NUM_PARALLEL=str(args.streams)) as url:
-        run = serve_generate(url, str(args.model), 4096, 0)
+        run = serve_generate(url, str(args.model), 4096, args.threads)
         run("warm up", 4)
         pids = serve_pids()
         cpu_ms = serve_cpu_per_scrape(url, pids["serve"])
@@ -104,7 +105,8 @@ def main() -> int:
                 progress(f"round {round_ + 1}/{args.rounds}, scraping {mode}: {row['aggregate_tps']:.1f} t/s")
     ratios = [on / off for on, off in zip(runs["on"], runs["off"], strict=True)]
     result = {
-        "model": str(args.model), "streams": args.streams, "n_predict": args.n_predict, "rounds": args.rounds,
+        "model": str(args.model), "threads": args.threads, "streams": args.streams, "n_predict": args.n_predict,
+        "rounds": args.rounds,
         "interval_s": args.interval, "minutes": round((time.monotonic() - started) / 60, 1),
         "tps_off_median": round(statistics.median(runs["off"]), 2),
         "tps_on_median": round(statistics.median(runs["on"]), 2),
