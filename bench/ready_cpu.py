@@ -47,12 +47,13 @@ def after_ready(pid: int, settle: float = 1.0, limit: float = 30.0) -> tuple[flo
     return process_cpu_seconds(pid), memory_mib(pid)["AnonHugePages"]
 
 
-def phases(model: str, threads: int) -> tuple[list[tuple[str, float, float]], float, dict[str, float]]:
+def phases(model: str, threads: int, use_mmap: bool = False,
+           ) -> tuple[list[tuple[str, float, float]], float, dict[str, float]]:
     """(phase, CPU seconds, wall seconds) in order, the runner's VmHWM in MiB and its memory (memory_mib)
     at ready; the last phase is what the runner did after ready until idle, with AnonHugePages then."""
     total_layers = GGUFFile.open(model).config.get_uint("block_count") + 1
     options = LoadOptions(num_ctx=N_CTX, parallel=1, batch_size=BATCH, num_gpu=0, num_threads=threads,
-                          kv_cache_type="f16")
+                          kv_cache_type="f16", use_mmap=use_mmap)
     start = time.perf_counter()
     handle = RunnerHandle.start(model)
     try:
@@ -85,10 +86,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("models", nargs="+")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--mmap", action="store_true", help="map the file (UseMmap) instead of reading it")
     args = parser.parse_args()
     compile_engine()  # as bench.py: an installed package's bytecode
     for model in args.models:
-        steps, rss, memory = phases(model, args.threads)
+        steps, rss, memory = phases(model, args.threads, args.mmap)
         print(model)
         print(f"  {'phase':28s}   CPU s  wall s (a quiet machine's only)")
         for name, seconds, wall in steps:
