@@ -30,6 +30,9 @@ class Batch:
     outputs: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     tokens: np.ndarray | None = None
     apart: frozenset[int] = frozenset()
+    embeddings: tuple[tuple[int, np.ndarray], ...] = ()
+    """(first row, (rows, n_embd) float32) pairs: rows whose input is an embedding (an image's) given in place
+    of a token's; their token ids are placeholders (Ollama's batch.Multimodal)."""
 
     def __post_init__(self) -> None:
         positions = _int_vector("positions", self.positions)
@@ -51,6 +54,9 @@ class Batch:
             if len(tokens) != len(positions):
                 raise ValueError(f"batch has {len(tokens)} tokens but {len(positions)} positions")
             object.__setattr__(self, "tokens", tokens)
+        for first, rows in self.embeddings:
+            if rows.ndim != 2 or first < 0 or first + len(rows) > len(positions):
+                raise ValueError(f"batch embeddings of shape {rows.shape} at row {first}: rows 0..{len(positions) - 1}")
 
     def __len__(self) -> int:
         return len(self.positions)

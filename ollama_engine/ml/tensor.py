@@ -62,6 +62,11 @@ class Tensor:
         self.ctx = ctx
         self.handle = handle
 
+    def in_graph(self, ctx: Context) -> Tensor:
+        """This tensor, with the nodes of operations on it going to ctx's graph: for operations on a weight
+        alone (its transpose), which belongs to no graph."""
+        return Tensor(ctx, self.handle)
+
     # ------------------------------------------------------------ metadata
 
     @property
@@ -536,6 +541,24 @@ class Tensor:
         ctx = self._graph(k)
         return Tensor(ctx, ops.gated_delta_net(ctx.handle, self.handle, k.handle, v.handle, g.handle, beta.handle,
                                                state.handle, 1))
+
+    def conv2d(self, image: Tensor, stride: int, padding: int = 0) -> Tensor:
+        """self, a kernel (width, height, channels, filters) of F32 or F16, slid over image (width, height,
+        channels, images) by `stride` with `padding` zeros around it (ggml_conv_2d: im2col then a matmul):
+        (out width, out height, filters, images). A ViT's patch embedding is the kernel at its own stride."""
+        k, x = self.ne, image.ne
+        if self.dtype not in (DType.F32, DType.F16) or k[2] != x[2] or stride < 1 or padding < 0 or (
+                x[0] + 2 * padding < k[0] or x[1] + 2 * padding < k[1]):
+            raise ShapeError(f"conv2d: kernel {self.shape} ({self.dtype.name}) over {image.shape}, stride {stride}")
+        ctx = image._graph(self)
+        return Tensor(ctx, ops.conv_2d(ctx.handle, self.handle, image.handle, stride, stride, padding, padding, 1, 1))
+
+    def avg_pool2d(self, kernel: int) -> Tensor:
+        """The mean of each kernel x kernel square of dims 0 and 1, squares side by side (stride = kernel)."""
+        if kernel < 1 or self.ne[0] < kernel or self.ne[1] < kernel:
+            raise ShapeError(f"avg_pool2d: kernel {kernel} for {self.shape}")
+        return self._new(ops.pool_2d(self._graph().handle, self.handle, ops.POOL_AVG, kernel, kernel, kernel, kernel,
+                                     0.0, 0.0))
 
     def pad(self, *amounts: int) -> Tensor:
         """Zero-pad at the end of each dimension by amounts (p0, p1, p2, p3)."""
