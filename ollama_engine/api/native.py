@@ -22,6 +22,7 @@ from typing import Any
 from aiohttp import web
 
 from ollama_engine.envconfig import MAX_DURATION, DurationError, keep_alive_seconds, parse_duration
+from ollama_engine.sample.penalties import PenaltySettings
 from ollama_engine.sched import (
     Context,
     Model,
@@ -158,6 +159,10 @@ def split_options(options: Any) -> tuple[Options, dict[str, Any]]:
     if clean.get("num_predict") == 0:  # the runner reads 0 as no limit: capped at 10 * num_ctx like -1, not endless
         clean["num_predict"] = -1
     sampling = {**SAMPLING_DEFAULTS, **{k: v for k, v in clean.items() if k not in RUNNER_OPTIONS}}
+    try:
+        PenaltySettings.from_options(sampling)  # the runner applies them; a bad one is the request's fault
+    except TypeError as err:
+        raise ApiError(400, str(err)) from err
     return Options.from_request(clean), sampling
 
 

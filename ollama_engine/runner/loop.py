@@ -100,6 +100,8 @@ class Runner:
         inputs, num_keep = fit_prompt(inputs, self.num_ctx, options.num_keep, options.truncate)
         seq = Sequence(inputs=inputs, options=options, num_keep=num_keep, num_prompt_inputs=len(inputs),
                        grammar=matcher)
+        # the penalties' window starts with the prompt, as llama-server's sampler does
+        options.sampler.start((inp.token for inp in inputs if inp.multimodal is None), self.num_ctx)
         if options.spec_ngram and self.spec_rows > 1:
             max_draft = min(options.draft_num_predict or DEFAULT_DRAFT, MAX_DRAFT)
             seq.spec = Speculator.of([inp.token for inp in inputs], max(max_draft, 1))
@@ -397,6 +399,7 @@ class Runner:
                 return None
             if grammar is not None:
                 grammar.accept(token)
+            seq.options.sampler.accept(token)
         except (GrammarError, NonFiniteLogitsError) as err:  # ends this sequence only
             seq.error = str(err)
             self._remove(index, DoneReason.STOP)

@@ -2,16 +2,18 @@
 
 Temperature 0 is greedy. Otherwise the chain is top-k, temperature, softmax, top-p, min-p and a
 weighted draw from a per-request random generator, so a fixed seed reproduces a run exactly.
-A `logit_bias` (OpenAI's: token id → value added to its logit) applies first, to greedy choice as well.
-Repeat/presence/frequency penalties and typical_p are ignored, as in Ollama's engine.
+A `logit_bias` (OpenAI's: token id → value added to its logit) applies first, to greedy choice as well, then
+the repeat/frequency/presence penalties over the sequence's recent tokens (penalties.py), as llama.cpp's chain
+orders them. typical_p is ignored, as in Ollama's engine.
 """
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
 
 from ollama_engine.sample import transforms
+from ollama_engine.sample.penalties import Penalties, PenaltySettings
 
 # The values Ollama's api.DefaultOptions() gives the sampling options when a request has none.
 DEFAULT_TEMPERATURE = 0.8
@@ -60,6 +62,7 @@ class Sampler:
         min_p: float = DEFAULT_MIN_P,
         seed: int | None = RANDOM_SEED,
         logit_bias: Mapping[Any, Any] | None = None,
+        penalties: PenaltySettings | None = None,
     ) -> None:
         self.temperature = max(_number("temperature", temperature), 0.0)
         self.top_k = _integer("top_k", top_k)
@@ -70,13 +73,15 @@ class Sampler:
         else:
             self.rng = np.random.default_rng(seed % 2**64)
         self.bias_ids, self.bias_values = _logit_bias(logit_bias)
+        self.penalties = Penalties(penalties or PenaltySettings(last_n=0))
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None) -> "Sampler":
         """Build from a /completion request's `options` object.
 
         Null options mean Ollama's defaults. Otherwise a missing key means 0, because the parent
-        serialises options with `omitempty`: an absent temperature is greedy and an absent seed is 0.
+        serialises options with `omitempty`: an absent temperature is greedy and an absent seed is 0 (and an
+        absent repeat_penalty, whose 0 would be invalid, is 1: off).
         """
         if options is None:
             return cls()
@@ -89,18 +94,29 @@ class Sampler:
             min_p=options.get("min_p", 0.0),
             seed=options.get("seed", 0),
             logit_bias=options.get("logit_bias"),
+            penalties=PenaltySettings.from_options(options, absent_is_zero=True),
         )
+
+    def start(self, history: Iterable[int], num_ctx: int) -> None:
+        """Begin a sequence whose context so far (its prompt) is `history`; a window of -1 is num_ctx long."""
+        self.penalties = Penalties(self.penalties.settings, history, num_ctx)
+
+    def accept(self, token: int) -> None:
+        """Record a token the sequence has taken (for the penalties' window)."""
+        self.penalties.accept(token)
 
     def sample(self, logits: np.ndarray, ids: np.ndarray | None = None) -> int:
         """The chosen index into `logits`, which is read, never modified. `ids`: the (ascending) token ids of
-        the rows when `logits` is a subset of the vocabulary (a grammar's allowed tokens), for the bias."""
+        the rows when `logits` is a subset of the vocabulary (a grammar's allowed tokens), for the bias and the
+        penalties."""
         logits = np.asarray(logits, dtype=np.float32)
-        if self.bias_ids.size:
-            logits = self._biased(logits, ids)
         if logits.ndim != 1:
             raise ValueError(f"sample: expected one row of logits, got shape {logits.shape}")
         if logits.size == 0:
             raise ValueError("sample: no logits provided to sample")
+        if self.bias_ids.size:
+            logits = self._biased(logits, ids)
+        logits = self.penalties.apply(logits, ids)
         if self.temperature == 0.0:
             token = int(np.argmax(logits))  # the first NaN if there is one
             if not np.isfinite(logits[token]):
@@ -121,15 +137,8 @@ class Sampler:
     def _biased(self, logits: np.ndarray, ids: np.ndarray | None) -> np.ndarray:
         """A copy of `logits` with the bias added; ids beyond the rows are ignored."""
         out = logits.copy()
-        if out.size == 0:
-            return out
-        if ids is None:
-            keep = self.bias_ids < out.shape[0]
-            out[self.bias_ids[keep]] += self.bias_values[keep]
-            return out
-        at = np.minimum(np.searchsorted(ids, self.bias_ids), max(ids.size - 1, 0))
-        keep = ids[at] == self.bias_ids
-        out[at[keep]] += self.bias_values[keep]
+        rows, keep = transforms.rows_of(self.bias_ids, ids, out.shape[0])
+        out[rows[keep]] += self.bias_values[keep]
         return out
 
 

@@ -50,3 +50,14 @@ def min_p(probs: np.ndarray, p: float) -> np.ndarray:
     if not below.any():
         return probs
     return probs[: int(np.argmax(below))]
+
+
+def rows_of(tokens: np.ndarray, ids: np.ndarray | None, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(row of each token id, whether it has one) in a row of `size` logits: the id itself over the whole
+    vocabulary, or its place in `ids` (ascending token ids) when the row covers only those."""
+    if ids is None:
+        return tokens, tokens < size
+    if ids.size == 0:
+        return np.zeros_like(tokens), np.zeros(tokens.shape, dtype=bool)
+    rows = np.minimum(np.searchsorted(ids, tokens), ids.size - 1)
+    return rows, ids[rows] == tokens
