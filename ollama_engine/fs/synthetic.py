@@ -30,13 +30,13 @@ from ollama_engine.fs.gguf_file import Conversion, GGUFFile
 
 ARCHITECTURES = (
     "llama", "qwen2", "qwen3", "bert", "gemma2", "gemma3", "qwen3moe", "nomic-bert", "phi3", "olmo2", "mistral3",
-    "gpt-oss", "llama4", "deepseek2",
+    "gpt-oss", "llama4", "deepseek2", "gemma3n",
     "qwen2moe", "nomic-bert-moe", "lfm2", "lfm2moe", "nemotron_h", "nemotron_h_moe", "qwen3next", "qwen35",
     "qwen35moe",
 )
 _ROPE_ARCHITECTURES = (
     "llama", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3moe", "nomic-bert", "phi3", "olmo2", "mistral3",
-    "gpt-oss", "llama4", "deepseek2",
+    "gpt-oss", "llama4", "deepseek2", "gemma3n",
     "qwen2moe", "nomic-bert-moe", "lfm2", "lfm2moe", "qwen3next", "qwen35", "qwen35moe",
 )
 _POST_NORM_ARCHITECTURES = ("gemma2", "gemma3", "olmo2")  # olmo2: post-norms only, q/k norms over all heads
@@ -77,6 +77,19 @@ class MLASpec:
     groups: int = 0  # expert_group_count and expert_group_used_count (0: none written)
     groups_used: int = 0
     temperature_length: int = 0  # attention.temperature_length (Mistral Large 3's query temperature)
+
+
+@dataclass(frozen=True)
+class Gemma3nSpec:
+    """gemma3n's AltUp, Laurel, per-layer embeddings, sparsity and KV sharing (llama.cpp fixes the first three
+    sizes: 4 streams, rank 64, 256 per layer; it shares keys from layer 20 and sparsifies layers 0-9)."""
+
+    per_layer: int = 256  # embedding_length_per_layer_input
+    laurel_rank: int = 64
+    altup: int = 4  # altup.num_inputs
+    shared_kv_layers: int = 0  # the last layers read the keys and values of earlier ones
+    sparse_layers: int = 10  # activation_sparsity_scale: the 0.95 quantile in these first layers, -inf after
+    swa_pattern: int = 5  # every n-th layer global, written as one flag per layer
 
 
 @dataclass(frozen=True)
@@ -134,6 +147,7 @@ class ModelSpec:
     ssm_groups: int = 1
     rope_dims: int | None = None  # rope.dimension_count where it is not the head size (qwen3next: partial)
     full_attention_interval: int = 4  # qwen3next: every n-th layer is full attention, the others DeltaNet
+    gemma3n: Gemma3nSpec | None = None  # gemma3n only
     rope_sections: tuple[int, ...] = ()  # qwen35: rope.dimension_sections (multimodal RoPE)
     name: str = "synthetic"
 
@@ -587,6 +601,28 @@ PRESETS: dict[str, ModelSpec] = {
         conv_width=4, ssm_inner=64, ssm_state=16, ssm_heads=4, ssm_groups=2, n_expert=8, n_expert_used=2,
         n_ff_exp=32, eps=1e-6, name="tiny-qwen35moe",
     ),
+    # gemma3n: 22 layers (llama.cpp shares keys from layer 20 on), every other one sliding (window 8), so that
+    # layer 20 reads layer 18's keys and values and layer 21 layer 19's; activation sparsity in layers 0-9; the
+    # first 4096 tokens of llama-spm (per-layer embeddings are 256 x 22 per token); final logits capped at 30
+    "tiny-gemma3n": ModelSpec(
+        arch="gemma3n",
+        n_layer=22,
+        n_embd=64,
+        n_head=4,
+        n_head_kv=2,
+        n_ff=128,
+        vocab="llama-spm",
+        n_vocab=4096,
+        head_dim=32,
+        context_length=512,
+        rope_base=1000000.0,
+        rope_base_swa=10000.0,
+        eps=1e-6,
+        sliding_window=8,
+        final_softcap=30.0,
+        gemma3n=Gemma3nSpec(shared_kv_layers=2, swa_pattern=2),
+        name="tiny-gemma3n",
+    ),
     "smollm2-135m": ModelSpec(
         arch="llama",
         n_layer=30,
@@ -815,6 +851,9 @@ def _tensor_plan(spec: ModelSpec, n_vocab: int, qtype: GGMLQuantizationType) -> 
     if spec.arch in ("qwen3next", "qwen35", "qwen35moe"):
         yield from _qwen3next_tensors(tensor, spec)
         return
+    if spec.arch == "gemma3n":
+        yield from _gemma3n_tensors(tensor, spec, n_vocab)
+        return
     for i in range(spec.n_layer):
         if spec.arch != "olmo2":  # olmo2 has no pre-norms
             yield tensor(MODEL_TENSOR.ATTN_NORM, "weight", (n_embd,), "norm", i)
@@ -954,6 +993,61 @@ def _qwen3next_tensors(tensor, spec: ModelSpec) -> Iterator[_Tensor]:
         yield tensor(MODEL_TENSOR.FFN_GATE_SHEXP, "weight", (n_embd, n_ff), "matrix", i)
         yield tensor(MODEL_TENSOR.FFN_DOWN_SHEXP, "weight", (n_ff, n_embd), "matrix", i)
         yield tensor(MODEL_TENSOR.FFN_UP_SHEXP, "weight", (n_embd, n_ff), "matrix", i)
+
+
+def _gemma3n_tensors(tensor, spec: ModelSpec, n_vocab: int) -> Iterator[_Tensor]:
+    """gemma3n's per-layer embeddings, AltUp projections and layers (Gemma 3's with AltUp and Laurel). AltUp,
+    Laurel and per_layer_model_proj stay F32: llama.cpp's quantizer leaves them as converted."""
+    g, n_embd, n_ff = spec.gemma3n, spec.n_embd, spec.n_ff
+    n_q, n_kv, width = spec.n_head * spec.n_rot, spec.n_head_kv * spec.n_rot, g.per_layer * spec.n_layer
+    yield tensor(MODEL_TENSOR.PER_LAYER_TOKEN_EMBD, "weight", (width, n_vocab), "embedding")
+    yield tensor(MODEL_TENSOR.PER_LAYER_MODEL_PROJ, "weight", (n_embd, width), "table")
+    yield tensor(MODEL_TENSOR.PER_LAYER_PROJ_NORM, "weight", (g.per_layer,), "norm")
+    yield tensor(MODEL_TENSOR.ALTUP_PROJ, "weight", (n_embd, n_embd, g.altup - 1), "table")
+    yield tensor(MODEL_TENSOR.ALTUP_UNEMBD_PROJ, "weight", (n_embd, n_embd, g.altup - 1), "table")
+    for i in range(spec.n_layer):
+        for key, suffix, shape, kind in (
+            (MODEL_TENSOR.ATTN_NORM, "weight", (n_embd,), "norm"),
+            (MODEL_TENSOR.ATTN_Q, "weight", (n_embd, n_q), "matrix"),
+            (MODEL_TENSOR.ATTN_K, "weight", (n_embd, n_kv), "matrix"),
+            (MODEL_TENSOR.ATTN_V, "weight", (n_embd, n_kv), "matrix"),
+            (MODEL_TENSOR.ATTN_Q_NORM, "weight", (spec.n_rot,), "norm"),
+            (MODEL_TENSOR.ATTN_K_NORM, "weight", (spec.n_rot,), "norm"),
+            (MODEL_TENSOR.ATTN_OUT, "weight", (n_q, n_embd), "matrix"),
+            (MODEL_TENSOR.ATTN_POST_NORM, "weight", (n_embd,), "norm"),
+            (MODEL_TENSOR.FFN_NORM, "weight", (n_embd,), "norm"),
+            (MODEL_TENSOR.FFN_GATE, "weight", (n_embd, n_ff), "matrix"),
+            (MODEL_TENSOR.FFN_UP, "weight", (n_embd, n_ff), "matrix"),
+            (MODEL_TENSOR.FFN_DOWN, "weight", (n_ff, n_embd), "matrix"),
+            (MODEL_TENSOR.FFN_POST_NORM, "weight", (n_embd,), "norm"),
+            (MODEL_TENSOR.PER_LAYER_INP_GATE, "weight", (n_embd, g.per_layer), "matrix"),
+            (MODEL_TENSOR.PER_LAYER_PROJ, "weight", (g.per_layer, n_embd), "matrix"),
+            (MODEL_TENSOR.PER_LAYER_POST_NORM, "weight", (n_embd,), "norm"),
+            (MODEL_TENSOR.ALTUP_CORRECT_COEF, "weight", (g.altup, g.altup), "table"),
+            (MODEL_TENSOR.ALTUP_CORRECT_SCALE, "weight", (n_embd,), "norm"),
+            (MODEL_TENSOR.ALTUP_PREDICT_COEF, "weight", (g.altup, g.altup * g.altup), "table"),
+            (MODEL_TENSOR.ALTUP_ROUTER, "weight", (n_embd, g.altup), "table"),
+            (MODEL_TENSOR.ALTUP_ROUTER_NORM, "weight", (n_embd,), "norm"),
+            (MODEL_TENSOR.LAUREL_L, "weight", (n_embd, g.laurel_rank), "table"),
+            (MODEL_TENSOR.LAUREL_R, "weight", (g.laurel_rank, n_embd), "table"),
+            (MODEL_TENSOR.LAUREL_POST_NORM, "weight", (n_embd,), "norm"),
+        ):
+            yield tensor(key, suffix, shape, kind, i)
+
+
+def _add_gemma3n_hparams(writer: gguf.GGUFWriter, spec: ModelSpec) -> None:
+    """gemma3n's keys as llama.cpp's converter writes them: the pattern as a flag per layer, AltUp's, the
+    per-layer width, the shared layers, and each layer's sparsity as the normal quantile of 0.95 (or of 0)."""
+    g, n = spec.gemma3n, spec.gemma3n.swa_pattern
+    writer.add_array(f"{writer.arch}.attention.sliding_window_pattern",
+                     [i % n < n - 1 for i in range(spec.n_layer)])
+    writer.add_uint32(f"{writer.arch}.altup.active_idx", 0)
+    writer.add_uint32(f"{writer.arch}.altup.num_inputs", g.altup)
+    writer.add_uint32(f"{writer.arch}.embedding_length_per_layer_input", g.per_layer)
+    writer.add_uint32(f"{writer.arch}.attention.shared_kv_layers", g.shared_kv_layers)
+    quantile = float(np.float32(1.6448533535003662))
+    writer.add_array(f"{writer.arch}.activation_sparsity_scale",
+                     [quantile if i < g.sparse_layers else -math.inf for i in range(spec.n_layer)])
 
 
 def _phi3_tensors(tensor, spec: ModelSpec) -> Iterator[_Tensor]:
@@ -1235,6 +1329,8 @@ def _add_hparams(writer: gguf.GGUFWriter, spec: ModelSpec, n_vocab: int, file_ty
                        ("attention.temperature_scale", spec.attn_temperature_scale)):
         if value is not None:
             writer.add_float32(f"{writer.arch}.{key}", value)
+    if spec.gemma3n is not None:
+        _add_gemma3n_hparams(writer, spec)
 
 
 
@@ -1255,8 +1351,14 @@ def _tokenizer_values(spec: ModelSpec) -> dict[str, tuple[Any, GGUFValueType, GG
 
     n_tokens = len(values["tokenizer.ggml.tokens"][0])
     n_vocab = spec.n_vocab if spec.n_vocab is not None else n_tokens
-    if n_vocab < n_tokens:
-        raise ValueError(f"{spec.name}: n_vocab {n_vocab} is smaller than the {spec.vocab} vocab ({n_tokens})")
+    if n_vocab < n_tokens:  # a SentencePiece vocabulary keeps its first n_vocab pieces (bytes and specials)
+        special = [values[k][0] for k in values if k.endswith("_token_id")]
+        if values["tokenizer.ggml.model"][0] != "llama" or any(t >= n_vocab for t in special):
+            raise ValueError(f"{spec.name}: n_vocab {n_vocab} is smaller than the {spec.vocab} vocab ({n_tokens})")
+        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+            value, vtype, etype = values[key]
+            values[key] = (value[:n_vocab], vtype, etype)
+        n_tokens = n_vocab
     n_pad = n_vocab - n_tokens
     padding = {
         "tokenizer.ggml.tokens": [f"[PAD{i}]" for i in range(n_tokens, n_vocab)],

@@ -44,6 +44,7 @@ OUTPUT_PARTS = {
     "per_layer_token_embd", "per_layer_model_proj", "per_layer_proj_norm",
 }
 PER_LAYER_PARTS = {"rope_freqs", "rope_factors_long", "rope_factors_short"}
+ROW_TENSORS = {"per_layer_token_embd.weight"}  # placed with a layer, but only read by row (get_rows)
 LOAD_CHUNK = 4 << 20
 HUGE_PAGE_MODES = ("collapse", "fault", "off")
 COLLAPSE_IDLE = 0.05  # seconds without a graph compute before weights are moved onto huge pages
@@ -223,10 +224,12 @@ class Backend:
 
         Repacked layouts (ggml's CPU_REPACK, e.g. Q4_0 in interleaved blocks on AVX2) have faster matmul
         kernels (for stacked experts' mul_mat_id too); llama.cpp uses them by default. Input tensors (token
-        embeddings) are read by row, not multiplied, so they keep the plain layout.
+        embeddings) are read by row, not multiplied, so they keep the plain layout, as do ROW_TENSORS (ggml's
+        get_rows cannot read a repacked tensor).
         """
         device = placement.device
-        if device is self.cpu and placement.layer is not None and len(info.shape) in (2, 3):
+        by_row = info.name in ROW_TENSORS
+        if device is self.cpu and placement.layer is not None and len(info.shape) in (2, 3) and not by_row:
             for buft in extra:
                 if ggml_backend.supports_matmul_weight(device.handle, buft, int(info.ggml_type), tuple(info.shape),
                                                        experts="_exps." in info.name):
