@@ -241,6 +241,55 @@ def test_a_rejected_sample_is_drawn_again_from_the_allowed_tokens():
     assert matcher.sample(Sampler(temperature=0), logits) == ids["ab"]
 
 
+# JSON Schema's `pattern` is a search, not a full match: an unanchored pattern may sit anywhere in the string.
+PATTERN_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
+        "tag": {"type": "string", "pattern": "^#[a-z_]{1,6}$"},
+        "note": {"type": "string", "pattern": "ok", "maxLength": 6},
+        "word": {"type": "string", "pattern": "^\\p{L}{2,5}$"},
+    },
+    "required": ["code", "tag", "note", "word"],
+}
+
+
+def test_random_generations_match_the_schemas_patterns(tokenizer):
+    """`pattern` is enforced, anchored or not (the structured-output complaint most often made of Ollama)."""
+    vocab = GrammarVocab.of(tokenizer)
+    grammar = format_grammar(PATTERN_SCHEMA)
+    for seed in range(40):
+        data, end = generate(tokenizer, vocab.matcher(grammar), seed)
+        assert end == "complete", (seed, end, data)
+        value = json.loads(data)
+        assert set(value) == set(PATTERN_SCHEMA["required"])
+        assert re.fullmatch(r"[A-Z]{3}-[0-9]{4}", value["code"]), value
+        assert re.fullmatch(r"#[a-z_]{1,6}", value["tag"]), value
+        assert "ok" in value["note"] and len(value["note"]) <= 6, value
+        assert 2 <= len(value["word"]) <= 5 and value["word"].isalpha(), value
+
+
+def test_a_pattern_llguidance_cannot_compile_is_refused_by_name():
+    for pattern, why in [("(?=a)a", "look-around"), ("(a", "unclosed group")]:
+        with pytest.raises(GrammarError) as err:
+            format_grammar({"type": "string", "pattern": pattern})
+        assert str(err.value).startswith("invalid JSON schema in format: ") and why in str(err.value)
+
+
+def test_keywords_not_enforced_are_named_in_a_warning(caplog):
+    schema = {"type": "object", "properties": {"ids": {"type": "array", "items": {"type": "integer"},
+                                                       "uniqueItems": True},
+                                               "when": {"type": "string", "format": "not-a-format"}}}
+    with caplog.at_level("WARNING", logger="ollama_engine.sample.grammar_text"):
+        assert format_grammar(schema)
+    warned = " ".join(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    assert "uniqueItems" in warned and "not-a-format" in warned
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ollama_engine.sample.grammar_text"):
+        format_grammar(PATTERN_SCHEMA)  # every keyword enforced: nothing to say
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
 # ---------------------------------------------------------------- 200 random generations per family
 
 

@@ -170,12 +170,16 @@ def test_runner_grammar_field(runner_client):
 # ---------------------------------------------------------------- serve: format and response_format
 
 
+SERVE_LOGS: dict[str, Path] = {}
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, smollm2_path: Path):
     import ollama
 
     root = tmp_path_factory.mktemp("grammar-api")
     with serve_process(root / "models") as url:
+        SERVE_LOGS[url] = root / f"serve-{url.rsplit(':', 1)[1]}.log"  # where serve_process writes it
         client = ollama.Client(host=url)
         client.create(model="smollm2", files={"smollm2.gguf": client.create_blob(smollm2_path)},
                       parameters={"num_thread": 1})  # see the batch-loop fixture
@@ -225,3 +229,36 @@ def test_openai_response_format(server):
     assert choice.message.content.startswith("{")
     if choice.finish_reason == "stop":  # an object the model closed; else cut by max_tokens
         assert isinstance(json.loads(choice.message.content), dict)
+
+
+# A schema keyword llguidance enforces (`pattern`) beside one it does not (`uniqueItems`).
+CODE = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
+                                         "ids": {"type": "array", "items": {"type": "integer", "minimum": 0,
+                                                                            "maximum": 99},
+                                                 "uniqueItems": True, "maxItems": 3}},
+        "required": ["code", "ids"]}
+
+
+def test_pattern_enforced_through_ollama_and_openai_clients_and_unsupported_keywords_logged(server):
+    """Real SmolLM2 at temperature 1: every answer's `code` matches the pattern (the model alone would not
+    write one); `uniqueItems`, which llguidance does not enforce, is named in serve's log."""
+    import ollama
+
+    openai = pytest.importorskip("openai")
+    messages = [{"role": "user", "content": "Give me a product code as JSON."}]
+    native = ollama.Client(host=server)
+    answers = [native.chat(model="smollm2", messages=messages, format=CODE,
+                           options={"temperature": 1, "seed": seed, "num_predict": 80}).message.content
+               for seed in range(6)]
+    client = openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+    for seed in range(3):
+        out = client.chat.completions.create(
+            model="smollm2", messages=messages, temperature=1, seed=seed, max_tokens=80,
+            response_format={"type": "json_schema", "json_schema": {"name": "code", "schema": CODE}})
+        answers.append(out.choices[0].message.content)
+    for text in answers:
+        value = json.loads(text)
+        assert re.fullmatch(r"[A-Z]{3}-[0-9]{4}", value["code"]), text
+        assert isinstance(value["ids"], list) and len(value["ids"]) <= 3, text
+    log = SERVE_LOGS[server].read_text(errors="replace")
+    assert "not enforced" in log and "uniqueItems" in log

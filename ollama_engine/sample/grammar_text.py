@@ -15,9 +15,12 @@ terminals only one lexeme, matched as far as it goes, so a lexeme whose tail can
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Mapping
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 # Ollama's grammarJSON (llm/server.go at f63eea3d), its trailing spaces left out: texts are compared with
 # their runs of whitespace collapsed.
@@ -62,7 +65,11 @@ class GrammarError(ValueError):
 
 
 def format_grammar(value: Any) -> str:
-    """The runner Grammar for an API request's `format` ("" for none), checked as Ollama's parent checks it."""
+    """The runner Grammar for an API request's `format` ("" for none), checked as Ollama's parent checks it.
+
+    Every keyword llguidance supports is enforced (`pattern`, `format`, bounds, enums, ...); one it does not
+    (`uniqueItems`, `contains`, `if`/`then`, an unknown `format`) is logged as a warning naming it, since
+    neither Ollama's nor OpenAI's response has a place for warnings."""
     if value is None or value == "":
         return ""
     if value == "json":
@@ -74,9 +81,11 @@ def format_grammar(value: Any) -> str:
     import llguidance  # at the first grammar (see sample/grammar.py)
 
     grammar = schema_grammar(value)
-    error = llguidance.LLMatcher.validate_grammar(to_llguidance(grammar))
-    if error:
-        raise GrammarError(f"invalid JSON schema in format: {reason(error)}")
+    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(to_llguidance(grammar))
+    if failed:
+        raise GrammarError(f"invalid JSON schema in format: {reason(messages[0] if messages else 'unknown')}")
+    for message in messages:
+        log.warning("format: a JSON schema keyword is not enforced: %s", message)
     return grammar
 
 
