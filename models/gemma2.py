@@ -111,6 +111,12 @@ class Gemma2(Llama):
         base, scale = (g.rope_base_swa, g.rope_scale_swa) if g.swa[layer] else (g.rope_base, o.rope_scale)
         return x.rope(positions, o.rope_dims, base, scale, None, self.rope_options)
 
+    def embed_inputs(self, ctx: Context, batch: Batch, h: Tensor) -> Tensor:
+        """The batch's rows given as embeddings (images) in place of their tokens': Gemma 2 takes none."""
+        if batch.embeddings:
+            raise ValueError(f"{type(self).__name__} takes no embeddings in place of tokens")
+        return h
+
     def forward(self, ctx: Context, batch: Batch) -> Tensor | None:
         if batch.tokens is None:
             raise ValueError("a text model's batch needs token ids")
@@ -119,6 +125,7 @@ class Gemma2(Llama):
         positions = inputs.from_numpy(batch.positions).set_name("positions")
         h = self.weights.token_embd.rows(inputs.from_numpy(batch.tokens).set_name("tokens"))
         h = h.scale(math.sqrt(o.hidden)).set_name("inp_scaled")
+        h = self.embed_inputs(ctx, batch, h)
         outputs = inputs.from_numpy(batch.outputs).set_name("outputs") if len(batch.outputs) else None
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):

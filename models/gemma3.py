@@ -12,11 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ollama_engine.fs import Config
-from ollama_engine.ml import Tensor
+from ollama_engine.kvcache import Batch
+from ollama_engine.ml import Context, Tensor
 
 from .base import register, weight
 from .gemma2 import Gemma2, Gemma2Layer, GemmaOptions, query_scale, swa_layers
 from .llama import Options
+from .vision import embedded_rows, place_embeddings
 
 
 @dataclass
@@ -49,3 +51,13 @@ class Gemma3(Gemma2):
         q, k, v = super().qkv(layer, x)
         eps = self.options.eps
         return q.rms_norm(layer.attn_q_norm, eps), k.rms_norm(layer.attn_k_norm, eps), v
+
+    def embed_inputs(self, ctx: Context, batch: Batch, h: Tensor) -> Tensor:
+        """Image embeddings, unscaled, in place of their placeholder tokens'; an image's rows attend to each other
+        both ways (llama.cpp's mtmd_decode_use_non_causal for Gemma 3; Ollama's SetCausal with Except)."""
+        if not batch.embeddings:
+            return h
+        rows = embedded_rows(batch)
+        for cache in self.cache.caches:
+            cache.set_causal(ctx, rows)
+        return place_embeddings(ctx.input(), batch, h)

@@ -1,0 +1,94 @@
+"""A prompt with images (Ollama's runner wire): `[img-N]` tags in the text, the image with id N among the
+request's ImageData. Each image is decoded, encoded by the vision tower once and cached by its hash (a second
+question about the same image does not encode it again), and becomes a run of inputs that go into one batch:
+the first carries the embeddings, the others are placeholders. The tower's begin/end text goes around it,
+as llama.cpp's mtmd puts it (Gemma 3: <start_of_image> ... <end_of_image>).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ollama_engine.image import ImageError, decode_image, image_hash
+from ollama_engine.models.vision import VisionModel
+from ollama_engine.tokenizer import Tokenizer
+
+from .inputs import Input
+
+IMAGE_TAG = re.compile(r"\[img-(\d+)\]")
+
+
+@dataclass(frozen=True)
+class ImageData:
+    """llm.ImageData: an image's encoded bytes and the id its [img-N] tag names."""
+
+    id: int
+    data: bytes
+
+
+class ImageEncoder:
+    """The vision tower behind a cache of the last `capacity` images' embeddings, by sha256 of their bytes."""
+
+    def __init__(self, tower: VisionModel, capacity: int = 16):
+        self.tower = tower
+        self.capacity = capacity
+        self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._lock = threading.Lock()
+        self.encoded = 0  # images run through the tower
+        self.encode_seconds = 0.0
+
+    def embeddings(self, data: bytes) -> tuple[np.ndarray, str]:
+        """(tokens, n_embd) embeddings of the image in data, and its hash; ImageError for a bad image."""
+        digest = image_hash(data)
+        with self._lock:
+            if digest in self._cache:
+                self._cache.move_to_end(digest)
+                return self._cache[digest], digest
+            image = decode_image(data)
+            started = time.perf_counter()
+            out = self.tower.encode(image)
+            self.encode_seconds += time.perf_counter() - started
+            self.encoded += 1
+            self._cache[digest] = out
+            while len(self._cache) > self.capacity:
+                self._cache.popitem(last=False)
+            return out, digest
+
+
+def prompt_inputs(prompt: str, images: Sequence[ImageData], tokenizer: Tokenizer,
+                  encoder: ImageEncoder | None) -> list[Input]:
+    """The prompt's inputs: text tokens (special ones only at the start), each tagged image's run."""
+    if encoder is None:
+        if images:
+            raise ImageError("this model does not support images: it has no vision tower")
+        return [Input(token=t) for t in tokenizer.encode(prompt, add_special=True)]
+    parts = IMAGE_TAG.split(prompt)  # text, id, text, id, ..., text
+    by_id = {image.id: image for image in images}
+    tower = encoder.tower
+    inputs: list[Input] = []
+    for i in range(0, len(parts), 2):
+        inputs += [Input(token=t) for t in tokenizer.encode(parts[i], add_special=i == 0)]
+        if i + 1 == len(parts):
+            break
+        image = by_id.get(int(parts[i + 1]))
+        if image is None:
+            raise ImageError(f"invalid image index: {parts[i + 1]}")
+        embeddings, digest = encoder.embeddings(image.data)
+        inputs += [Input(token=t) for t in tokenizer.encode(tower.image_begin, add_special=False)]
+        n = len(embeddings)
+        inputs.append(Input(multimodal=embeddings, multimodal_hash=int(digest[:16], 16), same_batch=n - 1))
+        inputs += [Input() for _ in range(n - 1)]
+        inputs += [Input(token=t) for t in tokenizer.encode(tower.image_end, add_special=False)]
+    return inputs
+
+
+def batch_embeddings(inputs: Sequence[Input]) -> tuple[tuple[int, np.ndarray], ...]:
+    """Batch.embeddings for a batch of these inputs: each image's first row and its embeddings."""
+    return tuple((row, inp.multimodal) for row, inp in enumerate(inputs) if inp.multimodal is not None)
