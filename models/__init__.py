@@ -21,6 +21,7 @@ from . import (  # noqa: F401 - importing an architecture registers it
     deepseek2,
     gemma2,
     gemma3,
+    gemma4,
     gemma3n,
     gptoss,
     lfm2,

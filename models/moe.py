@@ -54,6 +54,9 @@ class Experts:
         default=None, metadata={"gguf": "ffn_gate_up_exps.weight", "optional": True})
     gate_up_bias: Tensor | None = dataclasses.field(
         default=None, metadata={"gguf": "ffn_gate_up_exps.bias", "optional": True})
+    # a scale per expert on its output (Gemma 4's per_expert_scale, llama.cpp's ffn_down_exps_s)
+    down_scale: Tensor | None = dataclasses.field(
+        default=None, metadata={"gguf": "ffn_down_exps.scale", "optional": True})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +99,8 @@ def bind_experts(backend: Backend, layer: int, routing: Routing, n_embd: int, ga
     n_ff, e = (experts.down.shape + (-1,))[0], routing.n_expert
     expected = {"router": (n_embd, e), "router_bias": (e,), "gate": (n_embd, n_ff, e), "gate_bias": (n_ff, e),
                 "up": (n_embd, n_ff, e), "up_bias": (n_ff, e), "down": (n_ff, n_embd, e), "down_bias": (n_embd, e),
-                "selection_bias": (e,), "gate_up": (n_embd, 2 * n_ff, e), "gate_up_bias": (2 * n_ff, e)}
+                "selection_bias": (e,), "gate_up": (n_embd, 2 * n_ff, e), "gate_up_bias": (2 * n_ff, e),
+                "down_scale": (e,)}
     for field in dataclasses.fields(Experts):
         tensor = getattr(experts, field.name)
         if tensor is not None and tensor.shape != expected[field.name]:
@@ -109,11 +113,18 @@ Activation = Callable[[Tensor, Tensor | None], Tensor]
 """gate, up -> activated (n_ff, n_used, n): SwiGLU by default; ungated experts give (up, None)."""
 
 
-def moe(x: Tensor, experts: Experts, routing: Routing, layer: int, activation: Activation = Tensor.silu) -> Tensor:
-    """The mixture's output (n_embd, n) for the normed hidden states x (n_embd, n)."""
+def moe(x: Tensor, experts: Experts, routing: Routing, layer: int, activation: Activation = Tensor.silu, *,
+        router_input: Tensor | None = None, gate_up_halves: bool = False) -> Tensor:
+    """The mixture's output (n_embd, n) for the normed hidden states x (n_embd, n).
+
+    router_input: what the router reads where it is not x (Gemma 4 routes on its own norm of the residual).
+    gate_up_halves: a fused gate_up stack holds gate then up in each row's two halves (llama.cpp's layout),
+    not interleaved rows (Ollama's gpt-oss).
+    """
     n_embd, n = x.ne[0], x.ne[1]
     r = routing
-    logits = experts.router.matmul(x).set_name(f"ffn_moe_logits-{layer}")  # (n_expert, n)
+    logits = experts.router.matmul(x if router_input is None else router_input)  # (n_expert, n)
+    logits.set_name(f"ffn_moe_logits-{layer}")
     if experts.router_bias is not None:
         logits = logits.add(experts.router_bias)
     if r.gating == Gating.SOFTMAX:
@@ -146,7 +157,14 @@ def moe(x: Tensor, experts: Experts, routing: Routing, layer: int, activation: A
     x = x.reshape(n_embd, 1, n)
     if r.weight_before_ffn:
         x = x.repeat_to(n_embd, r.n_used, n).mul(weights).set_name(f"ffn_moe_weighted-{layer}")
-    if experts.gate_up is not None:  # Ollama's fused gate and up
+    if experts.gate_up is not None and gate_up_halves:  # llama.cpp's fused gate and up: views of the halves
+        fused = _biased(experts.gate_up.matmul_id(x, selected), experts.gate_up_bias, selected,
+                        f"ffn_moe_gate_up-{layer}")  # (2 n_ff, n_used, n)
+        half = fused.ne[0] // 2
+        gate = fused.view(0, (half, fused.ne[1], fused.ne[2]), fused.strides[1:3]).set_name(f"ffn_moe_gate-{layer}")
+        up = fused.view(half * fused.strides[0], (half, fused.ne[1], fused.ne[2]), fused.strides[1:3])
+        hidden = activation(gate, up.set_name(f"ffn_moe_up-{layer}"))
+    elif experts.gate_up is not None:  # Ollama's fused gate and up
         gate, up = _gate_up(x, experts, selected, layer)
         hidden = activation(gate, up)
     else:
@@ -157,7 +175,12 @@ def moe(x: Tensor, experts: Experts, routing: Routing, layer: int, activation: A
             gate = _biased(experts.gate.matmul_id(x, selected), experts.gate_bias, selected,
                            f"ffn_moe_gate-{layer}")
             hidden = activation(gate, up)  # (n_ff, n_used, n)
-    out = _biased(experts.down.matmul_id(hidden, selected), experts.down_bias, selected, f"ffn_moe_down-{layer}")
+    out = experts.down.matmul_id(hidden, selected)
+    if experts.down_scale is not None:  # each chosen expert's own scale, as llama.cpp's build_lora_mm_id
+        scales = Tensor(out.ctx, experts.down_scale.handle)  # a weight: its reshape belongs to this graph
+        scales = scales.reshape(1, r.n_expert, 1).repeat_to(1, r.n_expert, n).rows(selected)
+        out = out.mul(scales)
+    out = _biased(out, experts.down_bias, selected, f"ffn_moe_down-{layer}")
     if not r.weight_before_ffn:
         out = out.mul(weights).set_name(f"ffn_moe_weighted-{layer}")  # (n_embd, n_used, n)
 

@@ -32,12 +32,12 @@ ARCHITECTURES = (
     "llama", "qwen2", "qwen3", "bert", "gemma2", "gemma3", "qwen3moe", "nomic-bert", "phi3", "olmo2", "mistral3",
     "gpt-oss", "llama4", "deepseek2", "gemma3n",
     "qwen2moe", "nomic-bert-moe", "lfm2", "lfm2moe", "nemotron_h", "nemotron_h_moe", "qwen3next", "qwen35",
-    "qwen35moe",
+    "qwen35moe", "gemma4",
 )
 _ROPE_ARCHITECTURES = (
     "llama", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3moe", "nomic-bert", "phi3", "olmo2", "mistral3",
     "gpt-oss", "llama4", "deepseek2", "gemma3n",
-    "qwen2moe", "nomic-bert-moe", "lfm2", "lfm2moe", "qwen3next", "qwen35", "qwen35moe",
+    "qwen2moe", "nomic-bert-moe", "lfm2", "lfm2moe", "qwen3next", "qwen35", "qwen35moe", "gemma4",
 )
 _POST_NORM_ARCHITECTURES = ("gemma2", "gemma3", "olmo2")  # olmo2: post-norms only, q/k norms over all heads
 # a router and stacked experts instead of the FFN
@@ -93,6 +93,22 @@ class Gemma3nSpec:
 
 
 @dataclass(frozen=True)
+class Gemma4Spec:
+    """gemma4's layers (ModelSpec.head_dim and n_head_kv are the global layers' where they differ)."""
+
+    swa: tuple[bool, ...]  # per layer: sliding (True) or global
+    head_dim_swa: int  # attention.key_length_swa
+    n_head_kv_swa: int  # the sliding layers' KV heads (head_count_kv then is an array)
+    rope_dims_swa: int  # rope.dimension_count_swa
+    rotated_global: int  # pairs the global layers' proportional RoPE turns (rope_freqs 1; the others 1e30)
+    shared_kv_layers: int = 0  # the last layers read the keys and values of earlier ones
+    n_embd_per_layer: int = 0  # per-layer embeddings' width (0: none)
+    k_eq_v_global: bool = False  # global layers without attn_v (their key projection is the value)
+    double_wide: bool = False  # the shared layers' FFN twice as wide (feed_forward_length an array)
+    fused_gate_up: bool = False  # with experts (ModelSpec.n_expert): gate and up in one stack, ffn_gate_up_exps
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Shapes and options of a synthetic model. head_dim None means n_embd // n_head."""
 
@@ -137,6 +153,7 @@ class ModelSpec:
     # ffn_gate_up_exps, the experts' biases BF16) or "ollama-2025-08" (and, as its first ones, until 26 August
     # 2025, what gpt-oss:20b still is: MXFP4 experts under type id 4 in OpenAI's nibble order)
     mla: MLASpec | None = None  # deepseek2 only
+    gemma4: Gemma4Spec | None = None  # gemma4 only
     attention_layers: tuple[int, ...] = ()  # lfm2: the layers with attention; the others are short convolutions
     conv_width: int = 3  # lfm2: shortconv.l_cache, the convolution's taps
     leading_dense: int = 0  # lfm2moe: leading_dense_block_count, the layers before the mixtures
@@ -422,6 +439,29 @@ PRESETS: dict[str, ModelSpec] = {
     ),
     # olmo2 as OLMo 3: sliding-window layers (a window of 8, every third layer global) and YaRN on the global ones;
     # layout "ollama" writes it as Ollama's converter does (architecture olmo3, the pattern as one flag per layer)
+    # gemma4: sliding layers 0-2 and 4 (heads of 16, 2 KV heads, window 8), global 3 and 5 (heads of 32, one KV
+    # head, no attn_v, a quarter of each head turned by proportional RoPE); layers 4 and 5 read layers 2's and
+    # 3's keys and values and have FFNs twice as wide; per-layer embeddings of 32; final logits capped at 10
+    "tiny-gemma4": ModelSpec(
+        arch="gemma4",
+        n_layer=6,
+        n_embd=64,
+        n_head=4,
+        n_head_kv=1,
+        n_ff=128,
+        vocab="llama-spm",
+        head_dim=32,
+        context_length=512,
+        rope_base=1000000.0,
+        rope_base_swa=10000.0,
+        eps=1e-6,
+        sliding_window=8,
+        final_softcap=10.0,
+        gemma4=Gemma4Spec(swa=(True, True, True, False, True, False), head_dim_swa=16, n_head_kv_swa=2,
+                          rope_dims_swa=16, rotated_global=4, shared_kv_layers=2, n_embd_per_layer=32,
+                          k_eq_v_global=True, double_wide=True),
+        name="tiny-gemma4",
+    ),
     "tiny-olmo3": ModelSpec(
         arch="olmo2",
         n_layer=3,
@@ -764,6 +804,9 @@ def _check(spec: ModelSpec) -> None:
         raise ValueError(f"{spec.name}: mla options are deepseek2's, and deepseek2 needs them")
     if spec.mla is not None and spec.n_head_kv != (spec.n_head if spec.mla.kv_b else 1):
         raise ValueError(f"{spec.name}: deepseek2 needs n_head_kv 1 (n_head with kv_b)")
+    if (spec.arch == "gemma4") != (spec.gemma4 is not None) or (
+            spec.gemma4 is not None and len(spec.gemma4.swa) != spec.n_layer):
+        raise ValueError(f"{spec.name}: gemma4 options are gemma4's, and gemma4 needs them (a flag per layer)")
     mixture = spec.arch in _MOE_ARCHITECTURES or spec.n_expert
     if mixture and not (0 < spec.n_expert_used <= spec.n_expert and spec.n_ff_exp > 0):
         raise ValueError(f"{spec.name}: a mixture of experts needs 0 < n_expert_used <= n_expert and n_ff_exp > 0")
@@ -850,6 +893,9 @@ def _tensor_plan(spec: ModelSpec, n_vocab: int, qtype: GGMLQuantizationType) -> 
         return
     if spec.arch in ("qwen3next", "qwen35", "qwen35moe"):
         yield from _qwen3next_tensors(tensor, spec)
+        return
+    if spec.arch == "gemma4":
+        yield from _gemma4_tensors(tensor, spec, n_vocab)
         return
     if spec.arch == "gemma3n":
         yield from _gemma3n_tensors(tensor, spec, n_vocab)
@@ -1223,6 +1269,74 @@ def _add_mla_hparams(writer: gguf.GGUFWriter, spec: ModelSpec) -> None:
         writer.add_attn_temperature_length(mla.temperature_length)
 
 
+def _gemma4_feed_forward(spec: ModelSpec) -> list[int]:
+    """Each layer's FFN width: the shared-KV layers' doubled where the spec says (use_double_wide_mlp)."""
+    g = spec.gemma4
+    first_shared = spec.n_layer - g.shared_kv_layers
+    return [spec.n_ff * 2 if g.double_wide and i >= first_shared else spec.n_ff for i in range(spec.n_layer)]
+
+
+def _gemma4_tensors(tensor, spec: ModelSpec, n_vocab: int) -> Iterator[_Tensor]:
+    """Gemma 4's proportional RoPE factors, per-layer embeddings and layers (llama.cpp's layout): sliding and
+    global layers of their own head sizes, shared-KV layers without keys or values."""
+    g, n_embd = spec.gemma4, spec.n_embd
+    yield tensor(MODEL_TENSOR.ROPE_FREQS, "weight", (spec.n_rot // 2,), "proportional")
+    if g.n_embd_per_layer:
+        width = g.n_embd_per_layer * spec.n_layer
+        yield tensor(MODEL_TENSOR.PER_LAYER_TOKEN_EMBD, "weight", (width, n_vocab), "matrix")
+        yield tensor(MODEL_TENSOR.PER_LAYER_MODEL_PROJ, "weight", (n_embd, width), "matrix")
+        yield tensor(MODEL_TENSOR.PER_LAYER_PROJ_NORM, "weight", (g.n_embd_per_layer,), "norm")
+    first_shared = spec.n_layer - g.shared_kv_layers
+    for i, (swa, n_ff) in enumerate(zip(g.swa, _gemma4_feed_forward(spec), strict=True)):
+        head_dim, kv_heads = (g.head_dim_swa, g.n_head_kv_swa) if swa else (spec.n_rot, spec.n_head_kv)
+        n_q = spec.n_head * head_dim
+        yield tensor(MODEL_TENSOR.ATTN_NORM, "weight", (n_embd,), "norm", i)
+        yield tensor(MODEL_TENSOR.ATTN_Q, "weight", (n_embd, n_q), "matrix", i)
+        if i < first_shared:
+            yield tensor(MODEL_TENSOR.ATTN_K, "weight", (n_embd, kv_heads * head_dim), "matrix", i)
+            if swa or not g.k_eq_v_global:
+                yield tensor(MODEL_TENSOR.ATTN_V, "weight", (n_embd, kv_heads * head_dim), "matrix", i)
+            yield tensor(MODEL_TENSOR.ATTN_K_NORM, "weight", (head_dim,), "norm", i)
+        yield tensor(MODEL_TENSOR.ATTN_Q_NORM, "weight", (head_dim,), "norm", i)
+        yield tensor(MODEL_TENSOR.ATTN_OUT, "weight", (n_q, n_embd), "matrix", i)
+        yield tensor(MODEL_TENSOR.ATTN_POST_NORM, "weight", (n_embd,), "norm", i)
+        yield tensor(MODEL_TENSOR.FFN_NORM, "weight", (n_embd,), "norm", i)
+        yield tensor(MODEL_TENSOR.FFN_GATE, "weight", (n_embd, n_ff), "matrix", i)
+        yield tensor(MODEL_TENSOR.FFN_UP, "weight", (n_embd, n_ff), "matrix", i)
+        yield tensor(MODEL_TENSOR.FFN_DOWN, "weight", (n_ff, n_embd), "matrix", i)
+        yield tensor(MODEL_TENSOR.FFN_POST_NORM, "weight", (n_embd,), "norm", i)
+        yield tensor(MODEL_TENSOR.LAYER_OUT_SCALE, "weight", (1,), "norm", i)
+        if spec.n_expert:  # 26B-A4B: experts beside the FFN, their router, norms and per-expert scales
+            n_exp, n_ff_exp = spec.n_expert, spec.n_ff_exp
+            yield tensor(MODEL_TENSOR.FFN_GATE_INP, "weight", (n_embd, n_exp), "table", i)
+            yield tensor(MODEL_TENSOR.FFN_GATE_INP, "scale", (n_embd,), "norm", i)
+            for key in (MODEL_TENSOR.FFN_PRE_NORM_2, MODEL_TENSOR.FFN_POST_NORM_1, MODEL_TENSOR.FFN_POST_NORM_2):
+                yield tensor(key, "weight", (n_embd,), "norm", i)
+            if g.fused_gate_up:
+                yield tensor(MODEL_TENSOR.FFN_GATE_UP_EXP, "weight", (n_embd, 2 * n_ff_exp, n_exp), "expert", i)
+            else:
+                yield tensor(MODEL_TENSOR.FFN_GATE_EXP, "weight", (n_embd, n_ff_exp, n_exp), "expert", i)
+                yield tensor(MODEL_TENSOR.FFN_UP_EXP, "weight", (n_embd, n_ff_exp, n_exp), "expert", i)
+            yield tensor(MODEL_TENSOR.FFN_DOWN_EXP, "weight", (n_ff_exp, n_embd, n_exp), "expert", i)
+            yield tensor(MODEL_TENSOR.FFN_DOWN_EXP, "scale", (n_exp,), "norm", i)
+        if g.n_embd_per_layer:
+            yield tensor(MODEL_TENSOR.PER_LAYER_INP_GATE, "weight", (n_embd, g.n_embd_per_layer), "matrix", i)
+            yield tensor(MODEL_TENSOR.PER_LAYER_PROJ, "weight", (g.n_embd_per_layer, n_embd), "matrix", i)
+            yield tensor(MODEL_TENSOR.PER_LAYER_POST_NORM, "weight", (n_embd,), "norm", i)
+
+
+def _add_gemma4_hparams(writer: gguf.GGUFWriter, spec: ModelSpec) -> None:
+    """What llama.cpp's Gemma4Model converter writes beside the common keys."""
+    g = spec.gemma4
+    writer.add_head_count_kv([g.n_head_kv_swa if swa else spec.n_head_kv for swa in g.swa])
+    writer.add_key_length_swa(g.head_dim_swa)
+    writer.add_value_length_swa(g.head_dim_swa)
+    writer.add_rope_dimension_count_swa(g.rope_dims_swa)
+    writer.add_sliding_window_pattern(list(g.swa))
+    writer.add_shared_kv_layers(g.shared_kv_layers)
+    writer.add_embedding_length_per_layer_input(g.n_embd_per_layer)
+
+
 def _expert_tensors(tensor, spec: ModelSpec, i: int) -> Iterator[_Tensor]:
     """A layer's router (kept F32, as llama.cpp's quantizer leaves it) and its experts stacked in 3-D."""
     n_embd, n_ff, n_expert = spec.n_embd, spec.n_ff_exp, spec.n_expert
@@ -1244,7 +1358,7 @@ def _add_hparams(writer: gguf.GGUFWriter, spec: ModelSpec, n_vocab: int, file_ty
         width = spec.n_ff_exp if spec.arch == "nemotron_h_moe" else spec.n_ff
         writer.add_feed_forward_length([width if i in spec.mlp_layers else 0 for i in range(spec.n_layer)])
     else:
-        writer.add_feed_forward_length(spec.n_ff)
+        writer.add_feed_forward_length(_gemma4_feed_forward(spec) if spec.gemma4 else spec.n_ff)
     writer.add_head_count(spec.n_head)
     if spec.arch in ("nemotron_h", "nemotron_h_moe"):  # head_count_kv 0 but in attention layers; Mamba-2 sizes
         writer.add_head_count_kv([spec.n_head_kv if i in spec.attention_layers else 0 for i in range(spec.n_layer)])
@@ -1278,6 +1392,8 @@ def _add_hparams(writer: gguf.GGUFWriter, spec: ModelSpec, n_vocab: int, file_ty
         if spec.arch == "lfm2moe":
             writer.add_leading_dense_block_count(spec.leading_dense)
             writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    elif spec.gemma4 is not None:
+        _add_gemma4_hparams(writer, spec)
     else:
         writer.add_head_count_kv(spec.n_head_kv)
     writer.add_vocab_size(n_vocab)
@@ -1400,6 +1516,9 @@ def _stored(conversion: Conversion, data: np.ndarray) -> np.ndarray:
 
 def _values(t: _Tensor, spec: ModelSpec, seed: int) -> np.ndarray:
     """A tensor's data as ggml has it, generated from (seed, its name)."""
+    if t.kind == "proportional":  # gemma4's global layers: the first pairs turn, the others (1e30) stand still
+        rotated = spec.gemma4.rotated_global
+        return np.array([1.0] * rotated + [1e30] * (t.shape[0] - rotated), dtype=np.float32)
     if t.kind == "rope_freqs":
         if "rope_factors_" in t.name:  # phi3's: long ones rising from 1 to 16, short ones near 1
             return (np.geomspace(1.0, 16.0, t.shape[0]) if "long" in t.name else np.linspace(1.0, 1.3, t.shape[0])
