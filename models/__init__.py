@@ -23,6 +23,7 @@ from . import (  # noqa: F401 - importing an architecture registers it
     gemma3,
     gemma4,
     gemma3n,
+    glm4moelite,
     gptoss,
     lfm2,
     lfm2moe,

@@ -191,6 +191,7 @@ class DeepSeek2(Model):
 
     def __init__(self, backend: Backend, tokenizer: Tokenizer | None):
         super().__init__(backend, tokenizer)
+        self.config = self.hyperparameters(self.config)
         self.options = o = Options.from_config(self.config)
         self.weights = bind(Weights, backend)
         self.layers = [bind(Layer, backend, f"blk.{i}.") for i in range(o.block_count)]
@@ -214,6 +215,11 @@ class DeepSeek2(Model):
         self.rope_options = dataclasses.replace(
             base, attention_factor=float(_attention_factor(self.config, o.rope_scale)))
         self.cache = Causal(self.shift, value_in_key=o.kv_lora_rank) if o.mla else Causal(self.shift)
+
+    def hyperparameters(self, config: Config) -> Config:
+        """The file's hyper-parameters as llama.cpp's deepseek2 names them (a converter that names them
+        otherwise, as Ollama's glm4moelite, translates them here)."""
+        return config
 
     def _check(self, layer: Layer, i: int) -> None:
         """The layer has the tensors its file's kind needs, each of llama.cpp's shape: ggml aborts on a

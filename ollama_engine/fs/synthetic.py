@@ -44,7 +44,8 @@ _POST_NORM_ARCHITECTURES = ("gemma2", "gemma3", "olmo2")  # olmo2: post-norms on
 _MOE_ARCHITECTURES = ("qwen3moe", "gpt-oss", "llama4", "qwen2moe", "lfm2moe", "nemotron_h_moe", "qwen3next",
                       "qwen35moe")
 _BERT_ARCHITECTURES = ("bert", "nomic-bert", "nomic-bert-moe")  # encoders: post-norm, pooled
-_OLLAMA_NAMES = {"gpt-oss": "gptoss", "olmo2": "olmo3"}  # Ollama's converters' architecture names (layout "ollama")
+# Ollama's converters' architecture names (layout "ollama")
+_OLLAMA_NAMES = {"gpt-oss": "gptoss", "olmo2": "olmo3", "deepseek2": "glm4moelite"}
 
 # Every type ggml quantizes to and computes with (Q2_0 aside: gguf-py does not know it yet), and the
 # general.file_type llama-quantize writes for it. K and IQ types need rows that are multiples of 256.
@@ -151,7 +152,8 @@ class ModelSpec:
     # no rope.scaling.type), "ollama-qkv" (and q, k, v fused, as it converts OpenAI's original checkpoint),
     # "ollama-2025-09" (and, as its files until October 2025: gate and up fused with interleaved rows in
     # ffn_gate_up_exps, the experts' biases BF16) or "ollama-2025-08" (and, as its first ones, until 26 August
-    # 2025, what gpt-oss:20b still is: MXFP4 experts under type id 4 in OpenAI's nibble order)
+    # 2025, what gpt-oss:20b still is: MXFP4 experts under type id 4 in OpenAI's nibble order); deepseek2:
+    # "ollama" (Ollama's GLM-4.7-Flash: architecture "glm4moelite", its key/value length keys, all KV heads)
     mla: MLASpec | None = None  # deepseek2 only
     gemma4: Gemma4Spec | None = None  # gemma4 only
     attention_layers: tuple[int, ...] = ()  # lfm2: the layers with attention; the others are short convolutions
@@ -526,6 +528,30 @@ PRESETS: dict[str, ModelSpec] = {
                     groups_used=2),
         name="tiny-deepseek2",
     ),
+    # deepseek2 as GLM-4.7-Flash (llama.cpp converts it to deepseek2): low-rank query, the latent cache, one dense
+    # layer then sigmoid-routed experts with a selection bias and no groups, normalised weights scaled by 1.8, a
+    # shared expert, plain RoPE (theta 1e6) without YaRN, heads of 64 + 32 features with values of 96; layout
+    # "ollama" writes Ollama's conversion (architecture glm4moelite)
+    "tiny-glm4moelite": ModelSpec(
+        arch="deepseek2",
+        n_layer=3,
+        n_embd=64,
+        n_head=4,
+        n_head_kv=1,
+        n_ff=128,
+        vocab="llama-bpe",
+        head_dim=32,
+        context_length=512,
+        rope_base=1000000.0,
+        eps=1e-5,
+        tied_embeddings=False,
+        n_expert=8,
+        n_expert_used=2,
+        n_ff_exp=32,
+        mla=MLASpec(kv_lora_rank=64, q_lora_rank=32, nope=64, v_head=96, gating=2, weights_norm=True,
+                    weights_scale=1.8, selection_bias=True),
+        name="tiny-glm4moelite",
+    ),
     # lfm2: short convolutions (3 taps) with attention in layers 1 and 3, the output tied to token_embd
     "tiny-lfm2": ModelSpec(
         arch="lfm2",
@@ -780,9 +806,12 @@ def _check(spec: ModelSpec) -> None:
     if spec.embedding_type is not None and spec.embedding_type not in WEIGHT_TYPES:
         raise ValueError(f"unknown embedding type {spec.embedding_type!r}: choose one of {tuple(WEIGHT_TYPES)}")
     if spec.layout not in ("llama.cpp", "ollama", "ollama-qkv", "ollama-2025-09", "ollama-2025-08") or (
-            spec.layout != "llama.cpp" and spec.arch != "gpt-oss" and (spec.arch, spec.layout) != ("olmo2", "ollama")):
+            spec.layout != "llama.cpp" and spec.arch != "gpt-oss"
+            and (spec.arch, spec.layout) not in (("olmo2", "ollama"), ("deepseek2", "ollama"))):
         raise ValueError(f"{spec.name}: layout {spec.layout!r}: llama.cpp, or ollama, ollama-qkv, ollama-2025-09 "
-                         "or ollama-2025-08 for gpt-oss, ollama for olmo2")
+                         "or ollama-2025-08 for gpt-oss, ollama for olmo2 and deepseek2")
+    if spec.arch == "deepseek2" and spec.layout == "ollama" and (spec.mla.kv_b or spec.rope_scaling_type):
+        raise ValueError(f"{spec.name}: Ollama's glm4moelite has attn_k_b/attn_v_b and no rope scaling")
     if spec.expert_type is not None and spec.expert_type not in WEIGHT_TYPES:
         raise ValueError(f"unknown expert type {spec.expert_type!r}: choose one of {tuple(WEIGHT_TYPES)}")
     if spec.arch not in ARCHITECTURES:
@@ -1253,6 +1282,11 @@ def _add_mla_hparams(writer: gguf.GGUFWriter, spec: ModelSpec) -> None:
     if mla.kv_b:
         writer.add_key_length(mla.nope + spec.n_rot)
         writer.add_value_length(mla.v_head)
+    elif spec.layout == "ollama":  # Ollama's glm4moelite: a head's lengths, the latent's as *_mla
+        writer.add_key_length(mla.nope + spec.n_rot)
+        writer.add_value_length(mla.v_head)
+        writer.add_key_length_mla(mla.kv_lora_rank + spec.n_rot)
+        writer.add_value_length_mla(mla.kv_lora_rank)
     else:
         writer.add_key_length(mla.kv_lora_rank + spec.n_rot)
         writer.add_value_length(mla.kv_lora_rank)
@@ -1394,6 +1428,8 @@ def _add_hparams(writer: gguf.GGUFWriter, spec: ModelSpec, n_vocab: int, file_ty
             writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     elif spec.gemma4 is not None:
         _add_gemma4_hparams(writer, spec)
+    elif spec.mla is not None and spec.layout == "ollama":
+        writer.add_head_count_kv(spec.n_head)  # Ollama's glm4moelite: the checkpoint's num_key_value_heads
     else:
         writer.add_head_count_kv(spec.n_head_kv)
     writer.add_vocab_size(n_vocab)
