@@ -25,6 +25,7 @@ from . import (  # noqa: F401 - importing an architecture registers it
     gemma3n,
     glm4moelite,
     gptoss,
+    laguna,
     lfm2,
     lfm2moe,
     llama,

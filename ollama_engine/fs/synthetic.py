@@ -32,12 +32,12 @@ ARCHITECTURES = (
     "llama", "qwen2", "qwen3", "bert", "gemma2", "gemma3", "qwen3moe", "nomic-bert", "phi3", "olmo2", "mistral3",
     "gpt-oss", "llama4", "deepseek2", "gemma3n",
     "qwen2moe", "nomic-bert-moe", "lfm2", "lfm2moe", "nemotron_h", "nemotron_h_moe", "qwen3next", "qwen35",
-    "qwen35moe", "gemma4",
+    "qwen35moe", "gemma4", "laguna",
 )
 _ROPE_ARCHITECTURES = (
     "llama", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3moe", "nomic-bert", "phi3", "olmo2", "mistral3",
     "gpt-oss", "llama4", "deepseek2", "gemma3n",
-    "qwen2moe", "nomic-bert-moe", "lfm2", "lfm2moe", "qwen3next", "qwen35", "qwen35moe", "gemma4",
+    "qwen2moe", "nomic-bert-moe", "lfm2", "lfm2moe", "qwen3next", "qwen35", "qwen35moe", "gemma4", "laguna",
 )
 _POST_NORM_ARCHITECTURES = ("gemma2", "gemma3", "olmo2")  # olmo2: post-norms only, q/k norms over all heads
 # a router and stacked experts instead of the FFN
@@ -45,7 +45,7 @@ _MOE_ARCHITECTURES = ("qwen3moe", "gpt-oss", "llama4", "qwen2moe", "lfm2moe", "n
                       "qwen35moe")
 _BERT_ARCHITECTURES = ("bert", "nomic-bert", "nomic-bert-moe")  # encoders: post-norm, pooled
 # Ollama's converters' architecture names (layout "ollama")
-_OLLAMA_NAMES = {"gpt-oss": "gptoss", "olmo2": "olmo3", "deepseek2": "glm4moelite"}
+_OLLAMA_NAMES = {"gpt-oss": "gptoss", "olmo2": "olmo3", "deepseek2": "glm4moelite", "laguna": "laguna"}
 
 # Every type ggml quantizes to and computes with (Q2_0 aside: gguf-py does not know it yet), and the
 # general.file_type llama-quantize writes for it. K and IQ types need rows that are multiples of 256.
@@ -91,6 +91,18 @@ class Gemma3nSpec:
     shared_kv_layers: int = 0  # the last layers read the keys and values of earlier ones
     sparse_layers: int = 10  # activation_sparsity_scale: the 0.95 quantile in these first layers, -inf after
     swa_pattern: int = 5  # every n-th layer global, written as one flag per layer
+
+
+@dataclass(frozen=True)
+class LagunaSpec:
+    """laguna's layers (ModelSpec.n_head is the full-attention layers'; every 4th layer from 0 is one)."""
+
+    n_head_swa: int  # the sliding layers' query heads (attention.head_count is an array)
+    rope_dims_swa: int  # rope.dimension_count_swa (ModelSpec.rope_dims: the full layers')
+    n_ff_shexp: int  # expert_shared_feed_forward_length
+    leading_dense: int = 1
+    gate_per_element: bool = False  # attn_gate per head (XS.2) or per element (M.1)
+    weights_scale: float = 2.5
 
 
 @dataclass(frozen=True)
@@ -156,6 +168,7 @@ class ModelSpec:
     # "ollama" (Ollama's GLM-4.7-Flash: architecture "glm4moelite", its key/value length keys, all KV heads)
     mla: MLASpec | None = None  # deepseek2 only
     gemma4: Gemma4Spec | None = None  # gemma4 only
+    laguna: LagunaSpec | None = None  # laguna only
     attention_layers: tuple[int, ...] = ()  # lfm2: the layers with attention; the others are short convolutions
     conv_width: int = 3  # lfm2: shortconv.l_cache, the convolution's taps
     leading_dense: int = 0  # lfm2moe: leading_dense_block_count, the layers before the mixtures
@@ -552,6 +565,36 @@ PRESETS: dict[str, ModelSpec] = {
                     weights_scale=1.8, selection_bias=True),
         name="tiny-glm4moelite",
     ),
+    # laguna as Laguna-XS.2: layer 0 full attention (4 heads of 32, half of each turned, YaRN from 64 positions,
+    # theta 5e5), layers 1-3 sliding (window 8, 6 heads, 24 features turned by plain RoPE with theta 5e4: no
+    # default of either converter's), 2 KV heads, q/k norms, a softplus gate per head on the attention output;
+    # one dense layer, then sigmoid-routed experts with a selection bias, normalised weights scaled by 2.5, and a
+    # shared expert of 64; layout "ollama" writes Ollama's conversion (attn_g, rope.swa.* keys, per-layer flags)
+    "tiny-laguna": ModelSpec(
+        arch="laguna",
+        n_layer=4,
+        n_embd=64,
+        n_head=4,
+        n_head_kv=2,
+        n_ff=128,
+        vocab="gpt-2",
+        head_dim=32,
+        context_length=512,
+        rope_base=500000.0,
+        rope_base_swa=50000.0,
+        rope_dims=16,
+        eps=1e-6,
+        tied_embeddings=False,
+        sliding_window=8,
+        original_context=64,
+        rope_scaling_type="yarn",
+        rope_scaling_factor=4.0,
+        n_expert=8,
+        n_expert_used=2,
+        n_ff_exp=32,
+        laguna=LagunaSpec(n_head_swa=6, rope_dims_swa=24, n_ff_shexp=64),
+        name="tiny-laguna",
+    ),
     # lfm2: short convolutions (3 taps) with attention in layers 1 and 3, the output tied to token_embd
     "tiny-lfm2": ModelSpec(
         arch="lfm2",
@@ -758,6 +801,9 @@ def write_synthetic(
     tensors = list(_tensor_plan(spec, n_vocab, qtype))
     if spec.layout != "llama.cpp" and spec.arch == "gpt-oss":
         tensors = list(_ollama_gpt_oss(tensors, spec.layout))
+    if spec.layout == "ollama" and spec.arch == "laguna":  # Ollama's name for the attention output gate
+        tensors = [dataclasses.replace(t, name=t.name.replace(".attn_gate.", ".attn_g."), parts=(t,))
+                   if ".attn_gate." in t.name else t for t in tensors]  # its data generated under the old name
     arch = _OLLAMA_NAMES[spec.arch] if spec.layout != "llama.cpp" else spec.arch
 
     path = Path(path)
@@ -807,9 +853,11 @@ def _check(spec: ModelSpec) -> None:
         raise ValueError(f"unknown embedding type {spec.embedding_type!r}: choose one of {tuple(WEIGHT_TYPES)}")
     if spec.layout not in ("llama.cpp", "ollama", "ollama-qkv", "ollama-2025-09", "ollama-2025-08") or (
             spec.layout != "llama.cpp" and spec.arch != "gpt-oss"
-            and (spec.arch, spec.layout) not in (("olmo2", "ollama"), ("deepseek2", "ollama"))):
+            and (spec.arch, spec.layout) not in (("olmo2", "ollama"), ("deepseek2", "ollama"), ("laguna", "ollama"))):
         raise ValueError(f"{spec.name}: layout {spec.layout!r}: llama.cpp, or ollama, ollama-qkv, ollama-2025-09 "
-                         "or ollama-2025-08 for gpt-oss, ollama for olmo2 and deepseek2")
+                         "or ollama-2025-08 for gpt-oss, ollama for olmo2, deepseek2 and laguna")
+    if spec.arch == "laguna" and spec.layout == "ollama" and spec.laguna.gate_per_element:
+        raise ValueError(f"{spec.name}: Ollama's laguna gates per head only")
     if spec.arch == "deepseek2" and spec.layout == "ollama" and (spec.mla.kv_b or spec.rope_scaling_type):
         raise ValueError(f"{spec.name}: Ollama's glm4moelite has attn_k_b/attn_v_b and no rope scaling")
     if spec.expert_type is not None and spec.expert_type not in WEIGHT_TYPES:
@@ -836,6 +884,8 @@ def _check(spec: ModelSpec) -> None:
     if (spec.arch == "gemma4") != (spec.gemma4 is not None) or (
             spec.gemma4 is not None and len(spec.gemma4.swa) != spec.n_layer):
         raise ValueError(f"{spec.name}: gemma4 options are gemma4's, and gemma4 needs them (a flag per layer)")
+    if (spec.arch == "laguna") != (spec.laguna is not None):
+        raise ValueError(f"{spec.name}: laguna options are laguna's, and laguna needs them")
     mixture = spec.arch in _MOE_ARCHITECTURES or spec.n_expert
     if mixture and not (0 < spec.n_expert_used <= spec.n_expert and spec.n_ff_exp > 0):
         raise ValueError(f"{spec.name}: a mixture of experts needs 0 < n_expert_used <= n_expert and n_ff_exp > 0")
@@ -925,6 +975,9 @@ def _tensor_plan(spec: ModelSpec, n_vocab: int, qtype: GGMLQuantizationType) -> 
         return
     if spec.arch == "gemma4":
         yield from _gemma4_tensors(tensor, spec, n_vocab)
+        return
+    if spec.arch == "laguna":
+        yield from _laguna_tensors(tensor, spec)
         return
     if spec.arch == "gemma3n":
         yield from _gemma3n_tensors(tensor, spec, n_vocab)
@@ -1273,6 +1326,74 @@ def _deepseek2_tensors(tensor, spec: ModelSpec) -> Iterator[_Tensor]:
         yield tensor(MODEL_TENSOR.FFN_UP_SHEXP, "weight", (n_embd, shared), "matrix", i)
 
 
+def _laguna_heads(spec: ModelSpec) -> list[int]:
+    """Query heads per layer: layer 0 and every 4th after it full attention (llama.cpp's default pattern when a
+    sliding window is set), the others sliding."""
+    full = spec.sliding_window is None
+    return [spec.n_head if full or i % 4 == 0 else spec.laguna.n_head_swa for i in range(spec.n_layer)]
+
+
+def _laguna_tensors(tensor, spec: ModelSpec) -> Iterator[_Tensor]:
+    """laguna's layers: q/k/v with per-head norms, the attention output gate (per head or per element), dense
+    SwiGLU layers first, then sigmoid-routed experts with a selection bias and a shared expert."""
+    lag, n_embd, head = spec.laguna, spec.n_embd, spec.n_rot
+    n_kv = spec.n_head_kv * head
+    for i, heads in enumerate(_laguna_heads(spec)):
+        yield tensor(MODEL_TENSOR.ATTN_NORM, "weight", (n_embd,), "norm", i)
+        yield tensor(MODEL_TENSOR.ATTN_Q, "weight", (n_embd, heads * head), "matrix", i)
+        yield tensor(MODEL_TENSOR.ATTN_K, "weight", (n_embd, n_kv), "matrix", i)
+        yield tensor(MODEL_TENSOR.ATTN_V, "weight", (n_embd, n_kv), "matrix", i)
+        yield tensor(MODEL_TENSOR.ATTN_Q_NORM, "weight", (head,), "norm", i)
+        yield tensor(MODEL_TENSOR.ATTN_K_NORM, "weight", (head,), "norm", i)
+        yield tensor(MODEL_TENSOR.ATTN_GATE, "weight", (n_embd, heads * head if lag.gate_per_element else heads),
+                     "matrix", i)
+        yield tensor(MODEL_TENSOR.ATTN_OUT, "weight", (heads * head, n_embd), "matrix", i)
+        yield tensor(MODEL_TENSOR.FFN_NORM, "weight", (n_embd,), "norm", i)
+        if i < lag.leading_dense:
+            yield tensor(MODEL_TENSOR.FFN_GATE, "weight", (n_embd, spec.n_ff), "matrix", i)
+            yield tensor(MODEL_TENSOR.FFN_DOWN, "weight", (spec.n_ff, n_embd), "matrix", i)
+            yield tensor(MODEL_TENSOR.FFN_UP, "weight", (n_embd, spec.n_ff), "matrix", i)
+            continue
+        yield from _expert_tensors(tensor, spec, i)
+        yield tensor(MODEL_TENSOR.FFN_EXP_PROBS_B, "bias", (spec.n_expert,), "bias", i)
+        yield tensor(MODEL_TENSOR.FFN_GATE_SHEXP, "weight", (n_embd, lag.n_ff_shexp), "matrix", i)
+        yield tensor(MODEL_TENSOR.FFN_DOWN_SHEXP, "weight", (lag.n_ff_shexp, n_embd), "matrix", i)
+        yield tensor(MODEL_TENSOR.FFN_UP_SHEXP, "weight", (n_embd, lag.n_ff_shexp), "matrix", i)
+
+
+def _add_laguna_hparams(writer: gguf.GGUFWriter, spec: ModelSpec) -> None:
+    """laguna's keys as llama.cpp's converter writes them (beyond the common ones), or as Ollama's does (layout
+    "ollama": its rope.swa.* keys, the pattern as flags and layer types, YaRN's betas and attention factor
+    written out, here llama.cpp's values, so that both files compute alike)."""
+    lag = spec.laguna
+    writer.add_leading_dense_block_count(lag.leading_dense)
+    writer.add_expert_shared_feed_forward_length(lag.n_ff_shexp)
+    writer.add_expert_weights_norm(True)
+    writer.add_expert_weights_scale(lag.weights_scale)
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    if spec.layout != "ollama":
+        writer.add_rope_dimension_count_swa(lag.rope_dims_swa)
+        return
+    prefix = f"{writer.arch}."
+    sliding = [spec.sliding_window is not None and i % 4 != 0 for i in range(spec.n_layer)]
+    writer.add_bool(prefix + "attention.sink_enabled", False)
+    writer.add_array(prefix + "attention.sliding_window_pattern", sliding)
+    writer.add_array(prefix + "attention.layer_types", [int(s) for s in sliding])
+    writer.add_uint32(prefix + "attention.gating_type", 1)
+    writer.add_bool(prefix + "attention.qk_norm", True)
+    writer.add_uint32(prefix + "expert_shared_count", 1)
+    writer.add_uint32(prefix + "decoder_sparse_step", 1)
+    if lag.leading_dense:
+        writer.add_array(prefix + "dense_layers", list(range(lag.leading_dense)))
+    writer.add_string(prefix + "rope.scaling.type", spec.rope_scaling_type or "")
+    for key, value in (("rope.scaling.beta_fast", 32.0), ("rope.scaling.beta_slow", 1.0),
+                       ("rope.scaling.attn_factor", 1.0), ("rope.swa.freq_base", spec.rope_base_swa or 10000.0),
+                       ("rope.swa.scaling.factor", 1.0)):
+        writer.add_float32(prefix + key, value)
+    writer.add_string(prefix + "rope.swa.scaling.type", "linear")
+    writer.add_uint32(prefix + "rope.swa.dimension_count", lag.rope_dims_swa)
+
+
 def _add_mla_hparams(writer: gguf.GGUFWriter, spec: ModelSpec) -> None:
     """deepseek2's keys as llama.cpp's converter writes them (key/value lengths: the cached latent's)."""
     mla = spec.mla
@@ -1393,7 +1514,7 @@ def _add_hparams(writer: gguf.GGUFWriter, spec: ModelSpec, n_vocab: int, file_ty
         writer.add_feed_forward_length([width if i in spec.mlp_layers else 0 for i in range(spec.n_layer)])
     else:
         writer.add_feed_forward_length(_gemma4_feed_forward(spec) if spec.gemma4 else spec.n_ff)
-    writer.add_head_count(spec.n_head)
+    writer.add_head_count(_laguna_heads(spec) if spec.arch == "laguna" else spec.n_head)
     if spec.arch in ("nemotron_h", "nemotron_h_moe"):  # head_count_kv 0 but in attention layers; Mamba-2 sizes
         writer.add_head_count_kv([spec.n_head_kv if i in spec.attention_layers else 0 for i in range(spec.n_layer)])
         writer.add_ssm_conv_kernel(spec.conv_width)
@@ -1455,6 +1576,8 @@ def _add_hparams(writer: gguf.GGUFWriter, spec: ModelSpec, n_vocab: int, file_ty
             writer.add_expert_shared_feed_forward_length(spec.n_ff)
     writer.add_rope_freq_base(spec.rope_base)
     writer.add_rope_dimension_count(spec.rope_dims or spec.n_rot)
+    if spec.laguna is not None:
+        _add_laguna_hparams(writer, spec)
     if spec.mla is not None:
         _add_mla_hparams(writer, spec)
     elif spec.n_rot != spec.n_embd // spec.n_head:

@@ -103,6 +103,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "kimi-k2": PreTokenizer((_KIMI_K2,), clean_spaces=False),
     "chatglm-bpe": PreTokenizer((_LLAMA3,)),
     **dict.fromkeys(("glm4", "glm5"), PreTokenizer((_LLAMA3,), ignore_merges=True)),
+    "laguna": PreTokenizer((r"[^\n]+|[\n]+", _QWEN2), clean_spaces=False),  # lines first, then Qwen2's split
 }
 
 
