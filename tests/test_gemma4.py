@@ -6,8 +6,9 @@ KV head, no attn_v (the key projection is the value) and proportional RoPE (a qu
 layers 4 and 5 share the keys and values of layers 2 and 3 (and have FFNs twice as wide); per-layer
 embeddings of 32; a learned scale per layer output; final logits capped at 10. `mixture` adds 26B-A4B's
 experts (4 GELU experts, 2 used) beside every layer's FFN, gate and up apart or fused. Prompts of ~11 tokens
-and 12 decoded ones go past the window. Random weights give sharp logits that magnify last-bit
-differences, so logprobs are compared within SYNTHETIC_TOLERANCE, as test_gemma's synthetic models.
+and 12 decoded ones go past the window. Logprobs are compared within TOLERANCE; measured at the time of
+writing: bit-identical to llama.cpp's with F16, Q8_0 and Q4_0 weights (one and two sequences, flash on and
+off, mixtures split and fused), within 1e-6 with F32 weights.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from ollama_engine.models import ModelError, load_model
 from ollama_engine.models.gemma4 import Gemma4
 from ollama_engine.runner.allocate import LoadParams
 
-SYNTHETIC_TOLERANCE = 2e-3
+TOLERANCE = 1e-4
 THREADS = 2
 
 
@@ -77,7 +78,7 @@ def test_prompt_logits_match(synthetic, weight_type):
     finally:
         reference.close()
         model.close()
-    assert np.abs(log_softmax(ours) - log_softmax(theirs)).max() < SYNTHETIC_TOLERANCE
+    assert np.abs(log_softmax(ours) - log_softmax(theirs)).max() < TOLERANCE
     assert (ours.argmax(axis=1) == theirs.argmax(axis=1)).all()
 
 
@@ -90,7 +91,7 @@ def test_greedy_decoding_matches(synthetic, weight_type, sequences, flash, cache
     """Prompts (two of different lengths in one batch where sequences is 2, split as llama.cpp splits
     them), then 12 decode steps past the window: logprobs within tolerance, the same greedy tokens."""
     compare_schedule(synthetic(weight_type), flash=flash, cache_type=cache_type, sequences=sequences, steps=12,
-                     tolerance=SYNTHETIC_TOLERANCE, threads=THREADS)
+                     tolerance=TOLERANCE, threads=THREADS)
 
 
 def mixture(synthetic, weight_type: str, fused: bool = False) -> Path:
@@ -107,7 +108,7 @@ def test_mixture_matches_llama_cpp(synthetic, weight_type, sequences, fused):
     """The 26B-A4B's layers: experts routed on their own norm, scaled per expert, beside the dense FFN;
     gate and up apart or in one stack."""
     compare_schedule(mixture(synthetic, weight_type, fused), flash=False, cache_type="f16", sequences=sequences,
-                     steps=12, tolerance=SYNTHETIC_TOLERANCE, threads=THREADS)
+                     steps=12, tolerance=TOLERANCE, threads=THREADS)
 
 
 @pytest.mark.reference
@@ -118,7 +119,7 @@ def test_context_shift_matches_llama_cpp(synthetic):
 
     path = synthetic()
     tokens = encode(path, "In a small village by the sea, there lived a fisherman who had three sons")
-    shift_then_decode(path, tokens, keep=3, discard=5, steps=8, tolerance=SYNTHETIC_TOLERANCE)
+    shift_then_decode(path, tokens, keep=3, discard=5, steps=8, tolerance=TOLERANCE)
 
 
 @pytest.mark.parametrize(("flash", "experts"), [(False, False), (True, False), (False, True)])
