@@ -98,7 +98,9 @@ class Graphs:
         """Place the batch in the model's cache and return the graph to compute it with."""
         model = self.model
         layout = model.cache.prepare(batch) if model.cache is not None else None
-        key = (layout, len(batch.outputs)) if model.reuse_graphs and layout is not None else None
+        # a batch with images has inputs of its own (the embeddings, the image rows' both-ways masks): built for it
+        reusable = model.reuse_graphs and layout is not None and not batch.embeddings
+        key = (layout, len(batch.outputs)) if reusable else None
         with self._lock:
             current = self._current
             if key is not None and current is not None and current.key == key:

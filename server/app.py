@@ -20,6 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from ollama_engine import envconfig
+from ollama_engine.image import ImageError
 from ollama_engine.ml import NoMemory, gpu_devices
 from ollama_engine.ml.memory import BackendMemory, DeviceInfo
 from ollama_engine.runner.allocate import LoadedModel, open_model
@@ -220,7 +221,7 @@ class RunnerServer:
             self.progress = fraction
 
         try:
-            await asyncio.to_thread(loaded.model.backend.load, progress)
+            await asyncio.to_thread(loaded.load, progress)
             runner = Runner(loaded, self.on_fatal)
             runner.start()
         except Exception as err:
@@ -242,8 +243,8 @@ class RunnerServer:
         runner, slots = self.runner, self.slots
         assert runner is not None and slots is not None
         try:
-            seq = await asyncio.to_thread(runner.new_sequence, req.prompt, req.options, req.grammar)
-        except (InputTooLongError, GrammarError) as err:
+            seq = await asyncio.to_thread(runner.new_sequence, req.prompt, req.options, req.grammar, req.images)
+        except (InputTooLongError, GrammarError, ImageError) as err:
             return text_error(400, str(err))
         except Exception as err:
             return text_error(500, f"Failed to create new sequence: {err}")
@@ -281,6 +282,9 @@ class RunnerServer:
                 done = completion_done(seq.done_reason, seq.num_prompt_inputs, seq.processing_duration,
                                        seq.num_predicted, seq.eval_duration())
                 done["prompt_cached_count"] = cached  # ours: prompt tokens reused from the cache (serve's metrics)
+                if seq.images.count:  # ours: the prompt's images, those the vision tower ran on (not cached), its time
+                    done["image_count"], done["image_encode_count"] = seq.images.count, seq.images.encoded
+                    done["image_encode_duration"] = int(seq.images.encode_seconds * 1e9)
                 if seq.spec is not None:  # ours, llama.cpp's timings names: drafted and accepted tokens
                     done["draft_n"], done["draft_n_accepted"] = seq.spec.drafted, seq.spec.accepted
                 await response.write(encode(done))

@@ -8,6 +8,8 @@ escapes `<`, `>`, `&`, U+2028 and U+2029 and ends every document with a newline.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
 import re
@@ -21,6 +23,7 @@ import numpy as np
 from ollama_engine import envconfig
 from ollama_engine.ml import BackendMemory, GPULayersList
 from ollama_engine.runner.allocate import LoadParams
+from ollama_engine.runner.images import ImageData
 from ollama_engine.runner.sequence import DoneReason, SequenceOptions
 from ollama_engine.runner.speculate import MAX_DRAFT
 from ollama_engine.sample import MAX_TOP_LOGPROBS, Logprob, Sampler
@@ -309,6 +312,7 @@ class CompletionRequest:
     prompt: str
     options: SequenceOptions
     grammar: str = ""
+    images: list[ImageData] = field(default_factory=list)
 
     @classmethod
     def from_json(cls, body: bytes) -> CompletionRequest:
@@ -336,6 +340,7 @@ class CompletionRequest:
         return cls(
             prompt=_typed(data, "prompt", str, ""),
             grammar=_typed(data, "grammar", str, ""),
+            images=_images(data.get("images")),
             options=SequenceOptions(
                 sampler=sampler,
                 num_predict=_typed(options, "num_predict", int, 0),
@@ -349,6 +354,26 @@ class CompletionRequest:
                 draft_num_predict=draft_num_predict,
             ),
         )
+
+
+def _images(raw: Any) -> list[ImageData]:
+    """llm.ImageData entries: {"data": base64 (Go's []byte), "id": int}; keys matched case-insensitively."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise WireError(f"Images: expected an array, got {type(raw).__name__}")
+    images = []
+    for entry in raw:
+        if not isinstance(entry, dict):
+            raise WireError(f"Images: expected objects, got {entry!r:.40}")
+        entry = {key.lower(): value for key, value in entry.items()}
+        data = _typed(entry, "data", str, "")
+        try:
+            decoded = base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError) as err:
+            raise WireError(f"Images: data is not base64: {err}") from err
+        images.append(ImageData(id=_typed(entry, "id", int, 0), data=decoded))
+    return images
 
 
 _CHUNK_TAIL = (b',"done_reason":0,"done":false,"prompt_eval_count":0,"prompt_eval_duration":0,"eval_count":0,'

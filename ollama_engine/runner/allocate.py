@@ -10,6 +10,7 @@ the same sizes are measured and nothing is allocated.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,7 +20,9 @@ from ollama_engine.kvcache import Batch, ShiftError, cache_dtype
 from ollama_engine.ml import BackendMemory, Context, GPULayers, gpu_devices
 from ollama_engine.ml.memory import FlashAttention
 from ollama_engine.models import Model, load_model
+from ollama_engine.models.vision import load_vision
 from ollama_engine.runner.cache import InputCache
+from ollama_engine.runner.images import ImageEncoder
 from ollama_engine.runner.speculate import verify_rows
 
 log = logging.getLogger(__name__)
@@ -45,18 +48,28 @@ class LoadParams:
 class LoadedModel:
     """A model with its caches sized for serving; `memory` is what its backend reports."""
 
-    def __init__(self, model: Model, input_cache: InputCache, parallel: int, batch_size: int):
+    def __init__(self, model: Model, input_cache: InputCache, parallel: int, batch_size: int,
+                 images: ImageEncoder | None = None):
         self.model = model
         self.input_cache = input_cache
         self.parallel = parallel
         self.batch_size = batch_size
+        self.images = images  # the vision tower beside the model, if its file has one
 
     @property
     def memory(self) -> BackendMemory:
         return self.model.backend.memory
 
+    def load(self, progress: Callable[[float], None] | None = None) -> None:
+        """Read the weights: the model's, then its vision tower's."""
+        self.model.backend.load(progress)
+        if self.images is not None:
+            self.images.tower.backend.load()
+
     def close(self) -> None:
         self.model.close()
+        if self.images is not None:
+            self.images.tower.close()
 
 
 def _flash_attention(params: LoadParams) -> bool:
@@ -102,7 +115,15 @@ def open_model(path: str, params: LoadParams, allocate: bool) -> LoadedModel:
     except BaseException:
         model.close()
         raise
-    return LoadedModel(model, input_cache, parallel, batch_size)
+    try:  # the image graph is separate from the text graph: its own backend, reserved in its worst case
+        tower = load_vision(path, allocate=allocate, num_threads=params.num_threads or None,
+                            flash_attention=_flash_attention(params), file=model.backend.model)
+        if tower is not None:
+            tower.reserve()
+    except BaseException:
+        model.close()
+        raise
+    return LoadedModel(model, input_cache, parallel, batch_size, ImageEncoder(tower) if tower is not None else None)
 
 
 def reserve_graph(model: Model, tokens: int, outputs: int, sequences: int = 1) -> Context:

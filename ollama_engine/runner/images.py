@@ -33,6 +33,15 @@ class ImageData:
     data: bytes
 
 
+@dataclass
+class ImageStats:
+    """A prompt's images: how many there were, how many the tower encoded (not cached), in what time."""
+
+    count: int = 0
+    encoded: int = 0
+    encode_seconds: float = 0.0
+
+
 class ImageEncoder:
     """The vision tower behind a cache of the last `capacity` images' embeddings, by sha256 of their bytes."""
 
@@ -44,8 +53,10 @@ class ImageEncoder:
         self.encoded = 0  # images run through the tower
         self.encode_seconds = 0.0
 
-    def embeddings(self, data: bytes) -> tuple[np.ndarray, str]:
+    def embeddings(self, data: bytes, stats: ImageStats | None = None) -> tuple[np.ndarray, str]:
         """(tokens, n_embd) embeddings of the image in data, and its hash; ImageError for a bad image."""
+        stats = stats if stats is not None else ImageStats()
+        stats.count += 1
         digest = image_hash(data)
         with self._lock:
             if digest in self._cache:
@@ -54,8 +65,11 @@ class ImageEncoder:
             image = decode_image(data)
             started = time.perf_counter()
             out = self.tower.encode(image)
-            self.encode_seconds += time.perf_counter() - started
+            seconds = time.perf_counter() - started
+            self.encode_seconds += seconds
             self.encoded += 1
+            stats.encoded += 1
+            stats.encode_seconds += seconds
             self._cache[digest] = out
             while len(self._cache) > self.capacity:
                 self._cache.popitem(last=False)
@@ -63,7 +77,7 @@ class ImageEncoder:
 
 
 def prompt_inputs(prompt: str, images: Sequence[ImageData], tokenizer: Tokenizer,
-                  encoder: ImageEncoder | None) -> list[Input]:
+                  encoder: ImageEncoder | None, stats: ImageStats | None = None) -> list[Input]:
     """The prompt's inputs: text tokens (special ones only at the start), each tagged image's run."""
     if encoder is None:
         if images:
@@ -80,7 +94,7 @@ def prompt_inputs(prompt: str, images: Sequence[ImageData], tokenizer: Tokenizer
         image = by_id.get(int(parts[i + 1]))
         if image is None:
             raise ImageError(f"invalid image index: {parts[i + 1]}")
-        embeddings, digest = encoder.embeddings(image.data)
+        embeddings, digest = encoder.embeddings(image.data, stats)
         inputs += [Input(token=t) for t in tokenizer.encode(tower.image_begin, add_special=False)]
         n = len(embeddings)
         inputs.append(Input(multimodal=embeddings, multimodal_hash=int(digest[:16], 16), same_batch=n - 1))

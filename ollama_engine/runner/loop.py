@@ -23,6 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from collections.abc import Sequence as PySequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -32,6 +33,7 @@ from ollama_engine.kvcache import Batch
 from ollama_engine.models import Graph
 from ollama_engine.runner.allocate import LoadedModel
 from ollama_engine.runner.cache import TO_END, ReprocessInputsError
+from ollama_engine.runner.images import ImageData, ImageStats, batch_embeddings, prompt_inputs
 from ollama_engine.runner.inputs import Input
 from ollama_engine.runner.sequence import DoneReason, Piece, Sequence, SequenceOptions, fit_prompt
 from ollama_engine.runner.speculate import DEFAULT_DRAFT, MAX_DRAFT, Speculator, StepCost, verify_rows
@@ -92,14 +94,17 @@ class Runner:
 
     # ------------------------------------------------------------ sequences
 
-    def new_sequence(self, prompt: str, options: SequenceOptions, grammar: str = "") -> Sequence:
-        """Tokenize and fit the prompt to one slot's context (raises InputTooLongError); compile the grammar
-        (GBNF or `%llguidance` Lark, raises GrammarError)."""
+    def new_sequence(self, prompt: str, options: SequenceOptions, grammar: str = "",
+                     images: PySequence[ImageData] = ()) -> Sequence:
+        """Tokenize and fit the prompt to one slot's context (raises InputTooLongError), its [img-N] tags the
+        images' embeddings (raises ImageError); compile the grammar (GBNF or `%llguidance` Lark, raises
+        GrammarError)."""
         matcher = GrammarVocab.of(self.tokenizer).matcher(grammar) if grammar else None
-        inputs = [Input(token=t) for t in self.tokenizer.encode(prompt, add_special=True)]
+        stats = ImageStats()
+        inputs = prompt_inputs(prompt, images, self.tokenizer, self.loaded.images, stats)
         inputs, num_keep = fit_prompt(inputs, self.num_ctx, options.num_keep, options.truncate)
         seq = Sequence(inputs=inputs, options=options, num_keep=num_keep, num_prompt_inputs=len(inputs),
-                       grammar=matcher)
+                       grammar=matcher, images=stats)
         # the penalties' window starts with the prompt, as llama-server's sampler does
         options.sampler.start((inp.token for inp in inputs if inp.multimodal is None), self.num_ctx)
         if options.spec_ngram and self.spec_rows > 1:
@@ -204,10 +209,12 @@ class Runner:
                     state.drafts[index] = drafts
                 limit = self.batch_size
                 cap = self.cache.chunk_limit(len(slot.inputs) + len(seq.pending_inputs))
+                group_end = -1  # the last input of a same-batch group begun in this batch: never cut before it
                 for i, inp in enumerate(seq.inputs):
                     needed = 1 + inp.same_batch
                     limit = max(limit, needed)  # a group larger than a batch gets a batch of its own
-                    if len(state.inputs) + needed > limit or (i + needed > cap and i > 0 and not drafts):
+                    if i > group_end and (len(state.inputs) + needed > limit
+                                          or (i + needed > cap and i > 0 and not drafts)):
                         if not seq.pending_inputs and resume is None:
                             resume = index  # start there next time, so it does not starve
                         break
@@ -226,6 +233,7 @@ class Runner:
                             seq.inputs = err.inputs + seq.inputs  # i == 0 here: nothing batched yet
                             state.seqs[index] = None
                             break
+                    group_end = max(group_end, i + inp.same_batch)
                     state.inputs.append(inp)
                     positions.append(len(slot.inputs) + len(seq.pending_inputs))
                     sequences.append(slot.id)
@@ -245,7 +253,7 @@ class Runner:
                 return state
             tokens = np.zeros(len(state.inputs), dtype=np.int32)  # filled in when the batch computes
             state.batch = Batch(positions=positions, sequences=sequences, outputs=outputs, tokens=tokens,
-                                apart=frozenset(apart))
+                                apart=frozenset(apart), embeddings=batch_embeddings(state.inputs))
             state.graph = self.model.graphs.acquire(state.batch)
             return state
 
@@ -258,11 +266,13 @@ class Runner:
         taken, limit = 0, self.batch_size
         assert seq.slot is not None
         cap = self.cache.chunk_limit(len(seq.slot.inputs) + len(seq.pending_inputs))
+        group_end = -1
         for inp in seq.inputs:
             needed = 1 + inp.same_batch
             limit = max(limit, needed)
-            if taken + needed > limit or (taken + needed > cap and taken > 0):
+            if taken > group_end and (taken + needed > limit or (taken + needed > cap and taken > 0)):
                 break
+            group_end = max(group_end, taken + inp.same_batch)
             taken += 1
         return taken
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 from ollama_engine.runner.cache import InputCacheSlot
+from ollama_engine.runner.images import ImageStats
 from ollama_engine.runner.inputs import Input
 from ollama_engine.runner.speculate import Speculator
 from ollama_engine.runner.text import PendingOutput
@@ -91,6 +92,8 @@ class Sequence:
     processing_duration: float = 0.0
     sampling_duration: float = 0.0
     num_predicted: int = 0
+    images: ImageStats = field(default_factory=ImageStats)
+    """Its prompt's images: how many the vision tower encoded (the others came from the cache), in what time."""
 
     def __post_init__(self) -> None:
         self.output = PendingOutput.for_stops(self.options.stop)

@@ -1,0 +1,69 @@
+"""Images through the runner subprocess, over Ollama's wire: `[img-N]` in the prompt and ImageData
+({"data": base64, "id": N}) on /completion, driven as Ollama's scheduler drives a runner. Gemma 3 with its
+tower in Ollama's single file (synthetic weights)."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+from test_runner_e2e import LOAD, Client, completion, free_port, start_runner
+from test_vision import SPEC, png_bytes, smooth_image
+
+from ollama_engine.fs.synthetic import write_synthetic
+from ollama_engine.fs.synthetic_vision import add_vision
+
+IMAGE = png_bytes(smooth_image(50, 37, seed=1))
+OTHER = png_bytes(smooth_image(30, 60, seed=2))
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("vision-runner")
+    text = write_synthetic(folder / "text.gguf", "gemma3", weight_type="F32")
+    model = add_vision(text, folder / "vision.gguf", SPEC)
+    port = free_port()
+    proc = start_runner(model, port)
+    client = Client(port)
+    try:
+        for operation in (0, 1, 2):
+            assert client.json("POST", "/load", {**LOAD, "Operation": operation, "Parallel": 2,
+                                                 "KvSize": 512})["Success"]
+        while client.json("GET", "/health")["status"] != 0:
+            pass
+        yield client
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def images(*pairs: tuple[int, bytes]) -> list[dict]:
+    return [{"data": base64.b64encode(data).decode(), "id": n} for n, data in pairs]
+
+
+def test_completion_with_an_image_encodes_it_once(runner):
+    """The second question on the same image takes its embeddings from the cache: no encode, and the same
+    greedy answer as the first (the prompt cache off, so the prompt is evaluated again)."""
+    greedy = {"temperature": 0, "num_predict": 8}
+    text, first = runner.complete("Describe [img-0] please", options=greedy, Images=images((0, IMAGE)))
+    assert first["image_count"] == 1 and first["image_encode_count"] == 1 and first["image_encode_duration"] > 0
+    assert first["prompt_eval_count"] > 16  # the image's 16 rows and the text around them
+    again, second = runner.complete("Describe [img-0] please", options=greedy, Images=images((0, IMAGE)))
+    assert second["image_count"] == 1 and second["image_encode_count"] == 0
+    assert again == text
+    _, both = runner.complete("[img-1] or [img-0]?", options=greedy, Images=images((0, IMAGE), (1, OTHER)))
+    assert both["image_count"] == 2 and both["image_encode_count"] == 1
+
+
+def test_bad_images_are_a_400_and_the_runner_keeps_serving(runner):
+    for prompt, attached in [("look [img-0]", images((0, b"not an image"))),
+                             ("look [img-0]", images((0, IMAGE[: len(IMAGE) // 2]))),
+                             ("look [img-7]", images((0, IMAGE)))]:
+        status, body = runner.request("POST", "/completion", completion(prompt, Images=attached))
+        assert status == 400, body
+    status, body = runner.request("POST", "/completion", json.dumps(
+        {**completion("look [img-0]"), "Images": [{"data": "%%% not base64", "id": 0}]}).encode())
+    assert status == 400
+    text, done = runner.complete("still here?", options={"num_predict": 4})
+    assert done["done"] and "image_count" not in done
