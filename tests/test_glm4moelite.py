@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from llama_reference import Reference, compare_schedule
 from memory_checks import fitted_then_allocated
+from test_batch_invariance import logprob_gap, run_prompts
 
 from ollama_engine import diff
 from ollama_engine.fs.synthetic import write_synthetic
@@ -133,6 +134,14 @@ def test_matches_llama_cpp(synthetic, weight_type, sequences, flash):
     worst = compare_schedule(synthetic("llama.cpp", weight_type), flash=flash, cache_type="f16", sequences=sequences,
                              steps=6, tolerance=TOLERANCE, threads=1, prompts=PROMPTS)
     assert worst < TOLERANCE
+
+
+def test_the_batch_loop_gives_batched_the_solo_logprobs(synthetic):
+    """Through the runner's batch loop (prompts longer than a batch, shared prefixes, two slots): the
+    completions one after the other, then two at a time; the same greedy tokens and logprobs, exactly."""
+    solo = run_prompts(synthetic("ollama", "Q8_0"), 2, False, concurrent=False)
+    batched = run_prompts(synthetic("ollama", "Q8_0"), 2, False, concurrent=True)
+    assert max(logprob_gap(a, b) for a, b in zip(solo, batched, strict=True)) == 0.0
 
 
 @pytest.mark.parametrize("flash", [False, True])
