@@ -292,6 +292,24 @@ def setup(extra: str, venv_dir: Path = VENV, root: Path = ROOT, logs: Path = LOG
         (venv_dir / STAMPS[extra]).write_text(wanted)
 
 
+def _remove_stale(tree: Path, listed: set[str]) -> int:
+    """Delete the copy's files that the working tree no longer has (a module deleted or moved would otherwise
+    stay importable there); files git ignores (builds, caches) stay."""
+    tops = {name.split("/", 1)[0] for name in listed}
+    candidates = [str(path.relative_to(tree)) for top in tops if (tree / top).is_dir()
+                  for path in (tree / top).rglob("*") if path.is_file()]
+    candidates = [name for name in candidates if name not in listed]
+    if not candidates:
+        return 0
+    check = subprocess.run(["git", "check-ignore", "--no-index", "--stdin"], cwd=ROOT, input="\n".join(candidates),
+                           capture_output=True, text=True)
+    ignored = set(check.stdout.split("\n"))
+    stale = [name for name in candidates if name not in ignored]
+    for name in stale:
+        (tree / name).unlink()
+    return len(stale)
+
+
 def avx2_test(pytest_args: list[str]) -> None:
     """Run the suite as an AVX2-only CPU would, on any x86-64 machine.
 
@@ -311,8 +329,9 @@ def avx2_test(pytest_args: list[str]) -> None:
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, target)
             copied += 1
-    if copied:
-        say(f"working tree copied to {tree} ({copied} files changed)")
+    removed = _remove_stale(tree, {name for name in listed if name})
+    if copied or removed:
+        say(f"working tree copied to {tree} ({copied} files changed, {removed} removed)")
     pin = read_pin()
     # the sources the default build downloads (the download step below fetches them when missing)
     source = BUILD / "src" / pin["llama_cpp_dir"]
