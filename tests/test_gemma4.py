@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from llama_reference import PROMPTS, Reference, compare_schedule, log_softmax
 from memory_checks import fitted_then_allocated
+from test_batch_invariance import logprob_gap, run_prompts
 from test_olmo3 import greedy
 
 from ollama_engine import diff
@@ -130,6 +131,16 @@ def test_batched_equals_solo(synthetic, flash, experts):
     for s in (0, 1):
         for step, (a, b) in enumerate(zip(greedy(path, [s], flash=flash)[s], together[s], strict=True)):
             np.testing.assert_array_equal(a, b, err_msg=f"sequence {s}, step {step}")
+
+
+@pytest.mark.parametrize("experts", [False, True])
+def test_the_batch_loop_gives_batched_the_solo_logprobs(synthetic, experts):
+    """Through the runner (prompts longer than a batch, shared prefixes, two slots): the same greedy tokens
+    and logprobs, exactly, alone or two at a time."""
+    path = mixture(synthetic, "Q8_0", fused=True) if experts else synthetic("Q8_0")
+    solo = run_prompts(path, 2, False, concurrent=False)
+    batched = run_prompts(path, 2, False, concurrent=True)
+    assert max(logprob_gap(a, b) for a, b in zip(solo, batched, strict=True)) == 0.0
 
 
 @pytest.mark.parametrize("experts", [False, True])
