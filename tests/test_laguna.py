@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from llama_reference import Reference, compare_schedule
+from llama_reference import Reference, compare_schedule, log_softmax
 from memory_checks import fitted_then_allocated
 from test_batch_invariance import logprob_gap, run_prompts
 
@@ -40,6 +40,7 @@ VARIANTS = {
     "xs2": {},
     "m1": {"sliding_window": None, "rope_base_swa": None,
            "laguna": dataclasses.replace(PRESETS["tiny-laguna"].laguna, gate_per_element=True)},
+    "xs2-unscaled": {"rope_scaling_type": None, "rope_scaling_factor": None, "original_context": None},
 }
 
 
@@ -191,6 +192,41 @@ def test_matches_llama_cpp(synthetic, variant, weight_type, sequences, flash, st
     worst = compare_schedule(synthetic(variant, weight_type), flash=flash, cache_type="f16", sequences=sequences,
                              steps=steps, tolerance=TOLERANCE, threads=1, prompts=PROMPTS)
     assert worst < TOLERANCE
+
+
+@pytest.mark.reference
+def test_a_context_shift_matches_llama_cpps(synthetic):
+    """Positions 2-3 removed and the later keys moved down by RoPE (each layer's own: the full layers' partial
+    rotation and theta, the sliding layers' whole-head one), as llama.cpp's seq_rm + seq_add do: the next
+    tokens' logprobs within the tolerance of llama.cpp's (measured: 0.0) and the same greedy tokens.
+
+    Without YaRN: with it, llama.cpp's shifted NeoX keys differ from ours (0.29 in these logprobs; 0.03 and 0.1
+    for gpt-oss and OLMo 3 too, 0 for mistral3's normal RoPE), while the forward passes agree bitwise."""
+    variant = "xs2-unscaled"
+    path = synthetic(variant, "F16")
+    model = load_model(path, num_threads=1)
+    reference = Reference(path, n_ctx=512, n_batch=64, threads=1)
+    try:
+        model.backend.load()
+        model.cache.init(model.backend, cache_dtype("f16"), 1, 512, 64)
+        tokens = model.tokenizer.encode(" ".join(PROMPTS), add_special=True)
+        n = len(tokens)
+        model.graphs.compute(Batch(positions=range(n), sequences=[0] * n, outputs=[n - 1], tokens=tokens))
+        reference.decode(tokens, range(n), [0] * n, [n - 1])
+        model.cache.remove(0, 2, 4)  # positions 4.. move down to 2..
+        memory = reference.lib.llama_get_memory(reference.ctx)
+        assert reference.lib.llama_memory_seq_rm(memory, 0, 2, 4)
+        reference.lib.llama_memory_seq_add(memory, 0, 4, -1, -2)
+        token = tokens[-1]
+        for position in range(n - 2, n + 1):
+            ours = model.graphs.compute(Batch(positions=[position], sequences=[0], outputs=[0], tokens=[token]))
+            theirs = reference.decode([token], [position], [0], [0])
+            assert np.abs(log_softmax(ours) - log_softmax(theirs)).max() < TOLERANCE, position
+            assert ours.argmax() == theirs.argmax(), position
+            token = int(ours.argmax())
+    finally:
+        reference.close()
+        model.close()
 
 
 def test_the_batch_loop_gives_batched_the_solo_logprobs(synthetic):
