@@ -9,7 +9,8 @@ What it adds to Gemma 3, per llama.cpp's src/models/gemma4.cpp:
 - no query scaling (attention scale 1: the query and key RMS norms do it), and the value RMS-normalised
   without a weight; a layer without attn_v uses its key projection as value (before the key's norm);
 - KV sharing: the last attention.shared_kv_layers layers store no keys or values and attend to those of
-  the last sliding (n - 2) or global (n - 1) layer before them, n being the first shared layer;
+  the last storing layer of their kind (llama.cpp: n - 2 for sliding, n - 1 for global, n being the first
+  shared layer; the same layers in every Gemma 4, whose storing layers end sliding, global);
 - per-layer embeddings when embedding_length_per_layer_input > 0: each token has its own small vector per
   layer (per_layer_token_embd), mixed with a projection of its embedding, that gates a GELU bottleneck
   added after every layer's FFN;
@@ -169,20 +170,19 @@ class Options:
 
 
 def kv_donors(swa: tuple[bool, ...], shared: int) -> dict[int, int]:
-    """Each shared layer's donor, as llama.cpp's reuse callback picks it: the first shared layer being n,
-    a sliding layer reads layer n - 2 and a global one layer n - 1. Those must be of the same kind (they
-    are in Gemma 4: ..., sliding, global, then the shared layers), or the head sizes would not fit."""
+    """Each shared layer's donor: the last layer before the shared ones of its kind (sliding or global), as
+    Ollama's gemma4 picks it. llama.cpp's reuse callback takes n - 2 for a sliding layer and n - 1 for a
+    global one (n: the first shared layer), the same layers wherever its choice has the right head size."""
     first = len(swa) - shared
-    if not shared:
-        return {}
-    if first < 2:
-        raise ModelError(f"gemma4: attention.shared_kv_layers {shared} leaves {first} layers with a KV cache, "
-                         "not the 2 the shared layers read from")
-    donors = {i: first - (2 if swa[i] else 1) for i in range(first, len(swa))}
-    for layer, donor in donors.items():
-        if swa[donor] != swa[layer]:
-            raise ModelError(f"gemma4: shared layer {layer} ({'sliding' if swa[layer] else 'global'}) would read "
-                             f"layer {donor}'s keys, of the other kind")
+    if shared > len(swa):
+        raise ModelError(f"gemma4: attention.shared_kv_layers {shared} exceeds the {len(swa)} layers")
+    donors = {}
+    for layer in range(first, len(swa)):
+        kind = [i for i in range(first) if swa[i] == swa[layer]]
+        if not kind:
+            raise ModelError(f"gemma4: shared layer {layer} ({'sliding' if swa[layer] else 'global'}) has no "
+                             "earlier layer of its kind to read keys and values from")
+        donors[layer] = kind[-1]
     return donors
 
 

@@ -178,9 +178,18 @@ def test_diff_finds_every_tensor_equal_to_llama_cpps(synthetic):
             "Qcur_pos-4", "kqv_out-5", "attn_out-5", "l_out-5", "result_output"} <= {t.name for t in result.tensors}
 
 
-def test_refuses_what_it_cannot_run(synthetic):
-    """A shared layer whose donor (llama.cpp's n - 2 or n - 1) is of the other kind is a clear error at load
-    (llama.cpp would attend to keys of another head size)."""
-    crossed = dataclasses.replace(PRESETS["tiny-gemma4"].gemma4, swa=(True, True, True, True, False, True))
-    with pytest.raises(ModelError, match="shared layer 4 .global. would read layer 3"):
-        load_model(synthetic(name="crossed", gemma4=crossed), allocate=False)
+def test_shared_layers_read_the_last_storing_layer_of_their_kind(synthetic):
+    """Where llama.cpp's n - 2 / n - 1 would give a shared layer keys of the other kind (another head size),
+    it reads the last storing layer of its own kind, as Ollama's gemma4, and runs; a kind with no storing
+    layer is a clear error at load."""
+    g = PRESETS["tiny-gemma4"].gemma4
+    path = synthetic(name="crossed", gemma4=dataclasses.replace(g, swa=(True, True, False, True, True, False)))
+    model = load_model(path, allocate=False)
+    try:
+        assert model.options.donors == {4: 3, 5: 2}
+    finally:
+        model.close()
+    assert all(np.isfinite(row).all() for row in greedy(path, [0], steps=3)[0])
+    lonely = dataclasses.replace(g, swa=(True, True, True, True, False, True))
+    with pytest.raises(ModelError, match=r"shared layer 4 \(global\) has no earlier layer of its kind"):
+        load_model(synthetic(name="lonely", gemma4=lonely), allocate=False)
