@@ -8,6 +8,8 @@ import logging
 import os
 import sys
 
+from ollama_engine.envconfig import server_list
+
 # Modules that register commands, with the commands each one registers. Only the module of the command
 # being run is imported (every one for help or an unknown name): `runner` starts at every model load, and
 # importing serve's, the client's, diff's and plan's modules cost it a third of its import time.
@@ -92,12 +94,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     rpc_server.add_argument("--port", type=int, default=50052, help="TCP port (default 50052)")
     rpc_server.add_argument("--threads", type=int, default=0, help="CPU threads (default: every core)")
     rpc_server.set_defaults(run=rpc_server_command)
-    for name in ("serve", "runner", "plan"):  # their runners inherit the variable
+    for name in ("serve", "runner", "plan"):  # serve passes them on to its runners
         if name not in commands.choices:
             continue
         commands.choices[name].add_argument(
             "--rpc-servers", metavar="HOST:PORT,...",
-            help="ggml RPC servers whose devices take layers like GPUs (sets OLLAMA_RPC_SERVERS)")
+            help="ggml RPC servers whose devices take layers like GPUs (instead of OLLAMA_RPC_SERVERS)")
     demo = commands.add_parser("demo", help="the end-to-end demo")
     demo.add_argument("--model", help="a GGUF file (default: a generated synthetic model)")
     demo.set_defaults(run=demo_command)
@@ -113,8 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.modules.setdefault("ssl", None)  # type: ignore[arg-type]
     args = build_parser(command).parse_args(argv)
     configure_logging(args.verbose)
-    if getattr(args, "rpc_servers", None):
-        os.environ["OLLAMA_RPC_SERVERS"] = args.rpc_servers
+    if getattr(args, "rpc_servers", None) and args.command != "serve":  # serve passes them to its runners
+        from ollama_engine.ml.device import use_rpc_servers
+
+        use_rpc_servers(server_list(args.rpc_servers))
     try:
         return args.run(args)
     except KeyboardInterrupt:

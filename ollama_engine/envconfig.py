@@ -197,7 +197,11 @@ def parent_death_signal(env: Mapping[str, str] | None = None) -> bool:
 
 def rpc_servers(env: Mapping[str, str] | None = None) -> list[str]:
     """OLLAMA_RPC_SERVERS (ours, not Ollama's): `host:port,...` of ggml RPC servers whose devices join ours."""
-    text = _var(os.environ if env is None else env, "OLLAMA_RPC_SERVERS")
+    return server_list(_var(os.environ if env is None else env, "OLLAMA_RPC_SERVERS"))
+
+
+def server_list(text: str) -> list[str]:
+    """`host:port,...` (OLLAMA_RPC_SERVERS, --rpc-servers) as its items, blanks dropped."""
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
@@ -241,6 +245,8 @@ class EnvConfig:
     # OLLAMA_ENGINE_MODEL_PATHS: a model name may be the path of a GGUF file on the server (off: store names
     # only, as in Ollama, so that a client cannot make serve open files outside OLLAMA_MODELS)
     model_paths: bool = False
+    # OLLAMA_RPC_SERVERS (or serve's --rpc-servers): ggml RPC servers whose devices serve's runners use as GPUs
+    rpc_servers: tuple[str, ...] = ()
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> EnvConfig:
@@ -265,6 +271,7 @@ class EnvConfig:
             sched_spread=bool(_bool(env, "OLLAMA_SCHED_SPREAD")),
             origins=tuple(_var(env, "OLLAMA_ORIGINS").split(",")) if _var(env, "OLLAMA_ORIGINS") else (),
             model_paths=bool(_bool(env, "OLLAMA_ENGINE_MODEL_PATHS")),
+            rpc_servers=tuple(rpc_servers(env)),
         )
 
     @property

@@ -109,3 +109,18 @@ def test_the_environment_is_read_in_envconfig_alone():
                 if ast.unparse(node.value) in ("os.environ", "environ"):
                     readers.append(f"{module}:{node.lineno}")
     assert not readers, f"read the environment through ollama_engine.envconfig instead: {readers}"
+
+
+def test_no_module_writes_a_setting_into_the_environment_for_another_to_read():
+    """A command-line flag is passed down as a value (ml.device.use_rpc_servers, EnvConfig, a runner's own flag),
+    not written into os.environ for a lower layer to read back. Library tuning for a third party before it loads
+    (OPENBLAS_NUM_THREADS through setdefault) is not a setting of ours."""
+    writers = []
+    for module, path in source_modules():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Subscript) and isinstance(node.ctx, (ast.Store, ast.Del)):
+                if ast.unparse(node.value) in ("os.environ", "environ"):
+                    writers.append(f"{module}:{node.lineno}")
+            elif isinstance(node, ast.Call) and ast.unparse(node.func) in ("os.putenv", "os.environ.update"):
+                writers.append(f"{module}:{node.lineno}")
+    assert not writers, f"pass the value down instead of writing it into the environment: {writers}"

@@ -8,10 +8,11 @@ of a few milliseconds become `eventually` polls, so that a loaded 2-core machine
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import gguf
@@ -23,7 +24,7 @@ from ollama_engine.llm.layout import LoadRequiredFullError
 from ollama_engine.ml.memory import DeviceID, DeviceInfo, SystemInfo
 from ollama_engine.sched import scheduler as scheduler_module
 from ollama_engine.sched.scheduler import Scheduler
-from ollama_engine.sched.types import Context, LlmRequest, Model, Options, RunnerRef, ServerBusyError
+from ollama_engine.sched.types import Context, LlmRequest, Model, ModelInfo, Options, RunnerRef, ServerBusyError
 
 GB = 1000 * 1000 * 1000  # format.GigaByte
 MS = 1e-3
@@ -176,6 +177,17 @@ def new_scenario_request(
     req = LlmRequest(ctx=req_ctx, model=Model(name=name, model_path=path), opts=Options(),
                      session_duration=5 * MS if duration is None else duration)
     return Scenario(req_ctx.cancel, req, MockLlm(vram_size, vram_by_gpu))
+
+
+@contextlib.asynccontextmanager
+async def running(**config) -> AsyncIterator[Scheduler]:
+    """A scheduler with its loops running (init_scheduler's), stopped at the end."""
+    s = init_scheduler(**config)
+    s.run()
+    try:
+        yield s
+    finally:
+        await s.stop()
 
 
 def init_scheduler(**config) -> Scheduler:
@@ -373,26 +385,21 @@ def _preloaded_digest_runner(s: Scheduler) -> RunnerRef:
     return runner
 
 
-def test_sched_get_runner_uses_digest_key_when_model_path_empty():
-    async def body():
-        s = init_scheduler()
-        _preloaded_digest_runner(s)
-        req = await s.get_runner(Context(), Model(name="safetensors-b", digest="sha-b"), Options(num_ctx=4), None)
-        assert not req.future.done()
-        assert s.pending_reqs.qsize() == 1  # a different key: no fast path
-
-    run(body())
-
-
-def test_sched_get_runner_reuses_same_digest_when_model_path_empty():
+@pytest.mark.parametrize(("model", "reused"), [
+    (Model(name="safetensors-b", digest="sha-b"), False),  # a different key: no fast path, queued
+    (Model(name="safetensors-a-copy", digest="sha-a"), True),  # another name for the same digest: shared
+])
+def test_sched_get_runner_keys_by_digest_when_model_path_empty(model: Model, reused: bool):
     async def body():
         s = init_scheduler()
         runner = _preloaded_digest_runner(s)
         ctx = Context()
-        req = await s.get_runner(ctx, Model(name="safetensors-a-copy", digest="sha-a"), Options(num_ctx=4), None)
+        req = await s.get_runner(ctx, model, Options(num_ctx=4), None)
         ctx.cancel()
-        assert req.future.done() and req.future.result() is runner
-        assert s.pending_reqs.empty()
+        if reused:
+            assert req.future.done() and req.future.result() is runner and s.pending_reqs.empty()
+        else:
+            assert not req.future.done() and s.pending_reqs.qsize() == 1
 
     run(body())
 
@@ -490,30 +497,54 @@ def test_sched_find_runner_to_unload():
     run(body())
 
 
-def test_sched_needs_reload():
+# A runner loaded with adapter1, projector1 and Options(num_ctx=1024).resolved(4096), from a file trained on
+# 8192 tokens; each case is a request that differs from it in one way: (the difference, reload?).
+RELOAD_CASES = [
+    ({}, False),
+    ({"adapter_paths": ["adapter2"]}, True),
+    ({"projector_paths": ["projector2"]}, True),
+    ({"num_batch": 1234}, True),
+    ({"num_batch": 512}, False),  # the loaded value, said again
+    ({"ping": RuntimeError("foo")}, True),
+    ({"loading": True, "ping": RuntimeError("foo")}, True),
+    ({"num_gpu": 99}, True),
+    ({"num_gpu": -1}, False),  # automatic accepts whatever is loaded
+    ({"num_ctx": 512}, False),  # a smaller context is served by the larger one
+    ({"num_ctx": 2048}, True),
+    ({"num_ctx": 1, "capabilities": ["vision"]}, True),  # a vision model's context is at least 2048
+    ({"num_ctx": 1}, False),
+]
+
+
+@pytest.mark.parametrize(("change", "reload"), RELOAD_CASES)
+def test_sched_needs_reload(change: dict, reload: bool):
     async def body():
         s = init_scheduler()
         llm = MockLlm()
         runner = RunnerRef(model=Model(adapter_paths=["adapter1"], projector_paths=["projector1"]),
-                           options=Options().resolved(4096), llama=llm, num_parallel=1)
-        req = LlmRequest(ctx=Context(), model=Model(adapter_paths=["adapter2"], projector_paths=["projector2"]),
-                         opts=Options())
-        assert await s.needs_reload(runner, req)
-        req.model.adapter_paths = runner.model.adapter_paths
-        assert await s.needs_reload(runner, req)
-        req.model.projector_paths = runner.model.projector_paths
-        runner.loading = True
-        req.opts.num_batch = 1234
-        assert await s.needs_reload(runner, req)
-        req.opts.num_batch = runner.options.num_batch
-        llm.ping_resp = RuntimeError("foo")
-        assert await s.needs_reload(runner, req)
-        llm.ping_resp = None
-        assert not await s.needs_reload(runner, req)
-        req.opts.num_gpu = 99
-        assert await s.needs_reload(runner, req)
-        req.opts.num_gpu = -1
-        assert not await s.needs_reload(runner, req)
+                           options=Options(num_ctx=1024).resolved(4096), info=ModelInfo(context_length=8192),
+                           llama=llm, num_parallel=1, loading=change.get("loading", False))
+        model = Model(adapter_paths=change.get("adapter_paths", ["adapter1"]),
+                      projector_paths=change.get("projector_paths", ["projector1"]),
+                      capabilities=change.get("capabilities", []))
+        opts = Options(**{k: v for k, v in change.items() if k in ("num_ctx", "num_batch", "num_gpu")})
+        llm.ping_resp = change.get("ping")
+        assert await s.needs_reload(runner, LlmRequest(ctx=Context(), model=model, opts=opts)) is reload
+
+    run(body())
+
+
+@pytest.mark.parametrize(("num_ctx", "train", "loaded"), [(4096, 32, 32), (4096, 0, 4096), (2, 0, 4)])
+def test_a_load_fits_the_requested_context(tmp_path, num_ctx: int, train: int, loaded: int):
+    """The runner gets num_ctx fitted once (types.fit_num_ctx): at most the training context, at least 4."""
+    async def body():
+        s = init_scheduler()
+        s.read_model_info = lambda path: ModelInfo(block_count=1, context_length=train)
+        scenario = new_scenario_request(tmp_path, Context(), "m", 10, 60.0)
+        s.new_server_fn = scenario.new_server
+        req = LlmRequest(ctx=Context(), model=scenario.req.model, opts=Options(num_ctx=num_ctx))
+        await s.load(req, SystemInfo(), [], False)
+        assert (await result(req)).options.num_ctx == loaded
 
     run(body())
 
@@ -605,9 +636,7 @@ async def _loaded(s: Scheduler, tmp_path: Path, name: str, opts: Options | None 
 
 def test_omitted_or_smaller_runner_options_never_reload(tmp_path, caplog):
     async def body():
-        s = init_scheduler()
-        s.run()
-        try:
+        async with running() as s:
             a = await _loaded(s, tmp_path, "m", Options(num_ctx=16, num_batch=8))
             runner = s.loaded[a.req.model.model_path]
             assert runner.options.num_ctx == 16
@@ -631,17 +660,13 @@ def test_omitted_or_smaller_runner_options_never_reload(tmp_path, caplog):
             reloaded = s.loaded[a.req.model.model_path]
             req = await s.get_runner(Context(), a.req.model, Options(num_ctx=4096), None)
             assert (await result(req)) is reloaded
-        finally:
-            await s.stop()
 
     run(body())
 
 
 def test_bounded_queue_for_a_loaded_model(tmp_path):
     async def body():
-        s = init_scheduler(max_queue=2)
-        s.run()
-        try:
+        async with running(max_queue=2) as s:
             a = await _loaded(s, tmp_path, "m")
             runner = s.loaded[a.req.model.model_path]
             await runner.acquire_slot()  # the one slot is taken
@@ -659,17 +684,13 @@ def test_bounded_queue_for_a_loaded_model(tmp_path):
             assert runner.waiting == 1
             for task in waiters:
                 task.cancel()
-        finally:
-            await s.stop()
 
     run(body())
 
 
 def test_no_head_of_line_blocking_and_draining(tmp_path):
     async def body():
-        s = init_scheduler()
-        s.run()
-        try:
+        async with running() as s:
             big = await _loaded(s, tmp_path, "big", vram_size=10 * GB, vram_by_gpu={METAL: 10 * GB})
             big_runner = s.loaded[big.req.model.model_path]
             # huge needs 13 GB of the 12 free: big (busy) must drain first, so huge waits ...
@@ -702,17 +723,13 @@ def test_no_head_of_line_blocking_and_draining(tmp_path):
             reloaded_srv = MockLlm(vram_size=1 * GB)
             s.new_server_fn = lambda *args: reloaded_srv
             assert (await result(again)).llama is reloaded_srv
-        finally:
-            await s.stop()
 
     run(body())
 
 
 def test_load_survives_its_first_client_leaving(tmp_path):
     async def body():
-        s = init_scheduler()
-        s.run()
-        try:
+        async with running() as s:
             scenario = new_scenario_request(tmp_path, Context(), "slow", 10, 60.0)
             scenario.srv.wait_delay = 0.2
             s.new_server_fn = scenario.new_server
@@ -727,17 +744,13 @@ def test_load_survives_its_first_client_leaving(tmp_path):
             second_ctx.cancel()
             await eventually(lambda: runner.ref_count == 0 and runner.expire_timer is not None, what="idle")
             assert runner.state == "idle" and not scenario.srv.close_called
-        finally:
-            await s.stop()
 
     run(body())
 
 
 def test_crashed_runner_fails_and_reloads(tmp_path):
     async def body():
-        s = init_scheduler()
-        s.run()
-        try:
+        async with running() as s:
             a = await _loaded(s, tmp_path, "m")
             runner = s.loaded[a.req.model.model_path]
             a.srv.crash()
@@ -749,8 +762,6 @@ def test_crashed_runner_fails_and_reloads(tmp_path):
             s.new_server_fn = lambda *args: fresh
             req = await s.get_runner(Context(), a.req.model, Options(), None)
             assert (await result(req)).llama is fresh
-        finally:
-            await s.stop()
 
     run(body())
 
@@ -776,9 +787,7 @@ def test_hung_runner_is_stopped(tmp_path, monkeypatch):
 
 def test_force_stop_and_stop(tmp_path):
     async def body():
-        s = init_scheduler()
-        s.run()
-        try:
+        async with running() as s:
             a = await _loaded(s, tmp_path, "m")
             runner = s.loaded[a.req.model.model_path]
             assert s.expire_runner(a.req.model)  # busy: drains, unloads after the request
@@ -788,8 +797,6 @@ def test_force_stop_and_stop(tmp_path):
             a.ctx_done()
             await eventually(lambda: not s.loaded)
             assert not s.expire_runner(a.req.model)
-        finally:
-            await s.stop()
 
     run(body())
 
@@ -834,9 +841,7 @@ def test_shutdown_fails_waiting_requests_and_closes_runners(tmp_path):
 
 def test_keep_alive_forever_and_zero(tmp_path):
     async def body():
-        s = init_scheduler()
-        s.run()
-        try:
+        async with running() as s:
             a = await _loaded(s, tmp_path, "m")
             runner = s.loaded[a.req.model.model_path]
             ctx = Context()
@@ -849,17 +854,13 @@ def test_keep_alive_forever_and_zero(tmp_path):
             await result(await s.get_runner(ctx, a.req.model, Options(), 0.0))
             ctx.cancel()
             await eventually(lambda: not s.loaded, what="keep_alive 0 to unload")
-        finally:
-            await s.stop()
 
     run(body())
 
 
 def test_a_parked_client_leaving_stops_the_runner_started_for_it(tmp_path):
     async def body():
-        s = init_scheduler()
-        s.run()
-        try:
+        async with running() as s:
             await _loaded(s, tmp_path, "big", vram_size=10 * GB, vram_by_gpu={METAL: 10 * GB})
             huge = new_scenario_request(tmp_path, Context(), "huge", 13 * GB, 60.0, {METAL: 13 * GB})
             s.new_server_fn = huge.new_server
@@ -868,7 +869,5 @@ def test_a_parked_client_leaving_stops_the_runner_started_for_it(tmp_path):
             await eventually(lambda: s.parked and s.parked[0].prepared is not None, what="huge to park")
             ctx.cancel()
             assert not s.parked and huge.srv.close_called
-        finally:
-            await s.stop()
 
     run(body())

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 
 from ollama_engine import envconfig
-from ollama_engine.envconfig import EnvConfig
+from ollama_engine.envconfig import EnvConfig, server_list
 
 from .client_cli import call
 
@@ -30,7 +31,10 @@ def run_serve(args: argparse.Namespace) -> int:
     else:  # scheduling decisions (loads, reloads and why, evictions) are what an operator reads
         logging.getLogger("ollama_engine.sched").setLevel(logging.INFO)
         logging.getLogger("ollama_engine.api").setLevel(logging.INFO)
-    serve(EnvConfig.from_env())
+    config = EnvConfig.from_env()
+    if args.rpc_servers:
+        config = dataclasses.replace(config, rpc_servers=tuple(server_list(args.rpc_servers)))
+    serve(config)
     return 0
 
 

@@ -43,7 +43,6 @@ class Job:
     extra: dict[str, Any] = field(default_factory=dict)  # Grammar, Logprobs, TopLogprobs, Shift, Truncate
     start: float = field(default_factory=time.monotonic)
     load_duration: float = 0.0
-    num_ctx: int = 0
 
 
 def completion_extra(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -72,11 +71,7 @@ async def runner_chunks(scheduler: Scheduler, job: Job) -> Chunks:
     try:
         runner = await schedule(scheduler, ctx, job.entry.model, job.opts, job.keep_alive)
         job.load_duration = time.monotonic() - job.start
-        job.num_ctx = runner.options.num_ctx if runner.options is not None and runner.options.num_ctx else 2048
-        num_predict = job.sampling.get("num_predict", -1)
-        if num_predict < 0 or num_predict > 10 * job.num_ctx:
-            job.sampling["num_predict"] = 10 * job.num_ctx  # Ollama's cap on runaway generations
-        await runner.acquire_slot()
+        await runner.acquire_slot()  # num_predict is capped by the runner's server (sched/llama_server.py)
         try:
             assert runner.llama is not None
             if runner.failure:
@@ -118,6 +113,12 @@ def metrics(job: Job, final: Mapping[str, Any]) -> dict[str, Any]:
         "prompt_eval_duration": final.get("prompt_eval_duration", 0),
         "eval_count": final.get("eval_count", 0), "eval_duration": final.get("eval_duration", 0),
     }
+
+
+async def collected(chunks: Chunks, collect: Callable[[list[dict[str, Any]]], dict[str, Any]]) -> dict[str, Any]:
+    """Every chunk made into one object by `collect` (stream: false); the iterator is closed whatever happens."""
+    async with aclosing(chunks):
+        return collect([chunk async for chunk in chunks])
 
 
 async def first_chunk(chunks: Chunks) -> dict[str, Any]:

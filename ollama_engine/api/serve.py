@@ -43,7 +43,7 @@ SHUTDOWN_TIMEOUT = 5.0  # seconds for in-flight handlers once the runners are go
 def create_app(config: EnvConfig | None = None, scheduler: Scheduler | None = None) -> web.Application:
     """The serve application; pass a scheduler to use one built with other seams (tests)."""
     config = config or EnvConfig.from_env()
-    scheduler = scheduler or Scheduler(config, get_gpu_fn=GpuDiscovery())
+    scheduler = scheduler or Scheduler(config, get_gpu_fn=GpuDiscovery(config.rpc_servers))
     catalog = Catalog(Store(config.models), config.model_paths)
 
     def resolve(name: str) -> Model:

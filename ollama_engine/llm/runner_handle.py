@@ -92,6 +92,14 @@ def parent_env() -> dict[str, str]:
     return {PARENT_PID_ENV: str(os.getpid()), PARENT_DEATH_SIGNAL_ENV: "1" if main else "0"}
 
 
+def runner_command(model_path: str, port: int, rpc_servers: Sequence[str] = ()) -> list[str]:
+    """The runner's command line."""
+    command = [sys.executable, "-m", "ollama_engine", "runner", "--model", str(model_path), "--port", str(port)]
+    if rpc_servers:
+        command += ["--rpc-servers", ",".join(rpc_servers)]
+    return command
+
+
 class RunnerHandle:
     """One running `ollama-engine runner` process and its HTTP API."""
 
@@ -103,10 +111,12 @@ class RunnerHandle:
         self._stderr_thread.start()
 
     @classmethod
-    def start(cls, model_path: str, env: Mapping[str, str] | None = None, port: int | None = None) -> RunnerHandle:
-        """Spawn the runner; `env` is added to this process's environment (e.g. visible devices)."""
+    def start(cls, model_path: str, env: Mapping[str, str] | None = None, port: int | None = None,
+              rpc_servers: Sequence[str] = ()) -> RunnerHandle:
+        """Spawn the runner; `env` is added to this process's environment (e.g. visible devices);
+        `rpc_servers`: ggml RPC servers whose devices it uses as GPUs (else its OLLAMA_RPC_SERVERS)."""
         port = port or free_port()
-        command = [sys.executable, "-m", "ollama_engine", "runner", "--model", str(model_path), "--port", str(port)]
+        command = runner_command(model_path, port, rpc_servers)
         log.info("starting runner cmd=%r", command)
         try:
             process = subprocess.Popen(

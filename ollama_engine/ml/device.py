@@ -1,12 +1,13 @@
 """The compute devices ggml enumerates, described the way the runner reports them.
 
-The devices of the ggml RPC servers that OLLAMA_RPC_SERVERS names join them as GPUs of the library "RPC",
-each with the id `host:port` (`host:port#N` for a server's device N > 0) and the memory its server reports,
-so that the layout places layers on other hosts as it does on GPUs.
+The devices of the ggml RPC servers that OLLAMA_RPC_SERVERS (or use_rpc_servers) names join them as GPUs of the
+library "RPC", each with the id `host:port` (`host:port#N` for a server's device N > 0) and the memory its server
+reports, so that the layout places layers on other hosts as it does on GPUs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 
@@ -53,13 +54,26 @@ class Device:
         return self.id == device_id.id and self.library == device_id.library
 
 
+_rpc_servers: tuple[str, ...] | None = None  # use_rpc_servers' choice; None: OLLAMA_RPC_SERVERS
+
+
+def use_rpc_servers(servers: Sequence[str]) -> None:
+    """The RPC servers whose devices join this process's (a command's --rpc-servers), instead of
+    OLLAMA_RPC_SERVERS. ggml registers them for the whole process, so this must come before devices()."""
+    global _rpc_servers
+    if devices.cache_info().currsize:
+        raise RuntimeError("the devices are already enumerated: choose the RPC servers before")
+    _rpc_servers = tuple(servers)
+
+
 @cache
 def devices() -> tuple[Device, ...]:
     """All devices, once per process; ids are the ggml device id, or the ordinal within the library.
 
-    Raises rpc.RpcError (and caches nothing) when a server of OLLAMA_RPC_SERVERS cannot be used.
+    Raises rpc.RpcError (and caches nothing) when one of the RPC servers cannot be used.
     """
-    for endpoint in rpc.parse_endpoints(",".join(envconfig.rpc_servers())):
+    servers = envconfig.rpc_servers() if _rpc_servers is None else _rpc_servers
+    for endpoint in rpc.parse_endpoints(",".join(servers)):
         rpc.add_server(endpoint)
     found: list[Device] = []
     per_library: dict[str, int] = {}

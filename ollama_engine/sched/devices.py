@@ -10,8 +10,8 @@ import asyncio
 import dataclasses
 import logging
 import re
+from collections.abc import Sequence
 
-from ollama_engine.envconfig import rpc_servers
 from ollama_engine.llm.discovery import _nvml_refreshed, discover_gpus
 from ollama_engine.llm.runner_handle import RunnerHandle
 from ollama_engine.ml.memory import DeviceInfo
@@ -33,14 +33,15 @@ def gpu_backends_built() -> bool:
 
 
 class GpuDiscovery:
-    def __init__(self) -> None:
+    def __init__(self, rpc_servers: Sequence[str] = ()) -> None:
+        self.rpc_servers = tuple(rpc_servers)  # their devices count as GPUs
         self._gpus: list[DeviceInfo] | None = None
         self._lock = asyncio.Lock()
 
     async def __call__(self, runners: list[RunnerRef]) -> list[DeviceInfo]:
         async with self._lock:
             if self._gpus is None:
-                asked = gpu_backends_built() or bool(rpc_servers())  # RPC servers' devices count as GPUs
+                asked = gpu_backends_built() or bool(self.rpc_servers)
                 self._gpus = await asyncio.to_thread(self._discover) if asked else []
                 log.info("discovered gpus count=%d", len(self._gpus))
         return [
@@ -48,8 +49,7 @@ class GpuDiscovery:
             for gpu in self._gpus
         ]
 
-    @staticmethod
-    def _discover() -> list[DeviceInfo]:
-        with RunnerHandle.start("") as runner:
+    def _discover(self) -> list[DeviceInfo]:
+        with RunnerHandle.start("", rpc_servers=self.rpc_servers) as runner:
             runner.wait_launched()
             return discover_gpus(runner)

@@ -28,6 +28,13 @@ from .types import RUNNER_STOPPED, ModelInfo, Options, RunnerFailedError, Status
 log = logging.getLogger(__name__)
 
 
+def capped_num_predict(num_predict: int, num_ctx: int | None) -> int:
+    """Ollama's hard limit of 10 × num_ctx tokens, applied here alone: every route's completion passes this
+    way, so no request generates without end (-1, and 0 that the runner reads as no limit, get the cap)."""
+    limit = 10 * (num_ctx or 0)
+    return limit if limit and not 0 < num_predict <= limit else num_predict
+
+
 class _Recorder:
     """The load loop's target: the runner, remembering the last memory report (size-aware eviction uses it)."""
 
@@ -68,7 +75,7 @@ class LlamaServer:
             raise RunnerError("this engine does not support LoRA adapters yet")
         if projectors:
             raise RunnerError("this engine does not support vision projectors yet")
-        handle = RunnerHandle.start(model_path, env=visible_devices_env(gpus))
+        handle = RunnerHandle.start(model_path, env=visible_devices_env(gpus), rpc_servers=config.rpc_servers)
         return cls(handle, model_path, info, options, num_parallel, config)
 
     # ------------------------------------------------------------ process
@@ -175,10 +182,7 @@ class LlamaServer:
     ) -> AsyncIterator[dict[str, Any]]:
         """Stream /completion; a runner that dies mid-stream raises RunnerFailedError with its last words.
         `extra`: more llm.CompletionRequest fields (Logprobs, TopLogprobs, Shift, Truncate)."""
-        options = dict(options)
-        limit = 10 * (self.options.num_ctx or 0)
-        if limit and not 0 <= options.get("num_predict", -1) <= limit:  # Ollama's hard limit: no endless generation
-            options["num_predict"] = limit
+        options = {**options, "num_predict": capped_num_predict(options.get("num_predict", -1), self.options.num_ctx)}
         body = {"Prompt": prompt, "Options": options, "Shift": True, "Truncate": True, **(extra or {})}
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
         try:

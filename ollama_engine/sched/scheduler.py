@@ -39,10 +39,13 @@ from .types import (
     ModelInfo,
     NewServerFn,
     Options,
+    PreparedLoad,
+    RequestQueue,
     RunnerFailedError,
     RunnerRef,
     Server,
     ServerBusyError,
+    fit_num_ctx,
     model_key,
     session_sort_key,
 )
@@ -105,7 +108,7 @@ class Scheduler:
         read_model_info: Callable[[str], ModelInfo] | None = None,
     ) -> None:
         self.config = config or EnvConfig.from_env()
-        self.pending_reqs: asyncio.Queue[LlmRequest] = asyncio.Queue(maxsize=max(self.config.max_queue, 1))
+        self.pending_reqs = RequestQueue(self.config.max_queue)
         self.finished_reqs: asyncio.Queue[LlmRequest] = asyncio.Queue()
         self.expired: asyncio.Queue[RunnerRef] = asyncio.Queue()
         self.unloaded: asyncio.Queue[RunnerRef] = asyncio.Queue()
@@ -171,12 +174,7 @@ class Scheduler:
         self, ctx: Context, model: Model, opts: Options, session_duration: float | None
     ) -> LlmRequest:
         """Queue a request for `model`; its future resolves to a ready RunnerRef or an error (GetRunner)."""
-        opts = opts.copy()
-        if opts.num_ctx is not None:
-            opts.num_ctx = max(opts.num_ctx, 4)
-            if "vision" in model.capabilities:
-                opts.num_ctx = max(opts.num_ctx, 2048)
-        req = LlmRequest(ctx=ctx, model=model, opts=opts, session_duration=session_duration)
+        req = LlmRequest(ctx=ctx, model=model, opts=opts.copy(), session_duration=session_duration)
         if self._closed:
             req.fail(RunnerFailedError("server shutting down"))
             return req
@@ -228,7 +226,7 @@ class Scheduler:
 
     def queue_depth(self, runner: RunnerRef) -> int:
         """Requests waiting for this runner: for one of its slots, or for it to (re)load."""
-        waiting = [*self.parked, *self.pending_reqs._queue]  # type: ignore[attr-defined]
+        waiting = [*self.parked, *self.pending_reqs.snapshot()]
         return runner.waiting + sum(
             1 for req in waiting if not req.ctx.done() and model_key(req.model) == runner.model_key
         )
@@ -345,7 +343,7 @@ class Scheduler:
         """Bytes the model being loaded lacks, from what its runner measured."""
         if req.prepared is None:
             return 0
-        total, vram = req.prepared[0].memory_size()
+        total, vram = req.prepared.server.memory_size()
         if gpus:
             return max(vram - max(gpu.free_memory for gpu in gpus), 0)
         return max(total - system_info.free_memory, 0)
@@ -366,7 +364,8 @@ class Scheduler:
                 return False
             if info.embedding or req.model.family in SINGLE_SLOT_FAMILIES or info.architecture in SINGLE_SLOT_FAMILIES:
                 num_parallel = 1
-            opts = req.opts.resolved(default_num_ctx(self.config, gpus), info.context_length)
+            opts = req.opts.resolved(default_num_ctx(self.config, gpus), info.context_length,
+                                     "vision" in req.model.capabilities)
             try:
                 server = self.new_server_fn(
                     system_info, gpus, path, info, list(req.model.adapter_paths), list(req.model.projector_paths),
@@ -380,8 +379,8 @@ class Scheduler:
         else:
             # a retry after an eviction: the runner started for this request waited with it (Ollama keeps one
             # such runner in activeLoading; here each parked request keeps its own, so others can load meanwhile)
-            server, info, opts, num_parallel = req.prepared
-            req.prepared = None
+            prepared, req.prepared = req.prepared, None
+            server, info, opts, num_parallel = prepared.server, prepared.info, prepared.opts, prepared.num_parallel
             if server.model_path != path:
                 raise RuntimeError(f"scheduler retried a load of {server.model_path} for {path}")
         self.active_loading = server
@@ -391,7 +390,7 @@ class Scheduler:
         except LoadRequiredFullError as err:
             self.active_loading = None
             if require_full:
-                req.prepared = (server, info, opts, num_parallel)
+                req.prepared = PreparedLoad(server, info, opts, num_parallel)
             else:
                 server.close()
                 req.fail(err)
@@ -489,7 +488,7 @@ class Scheduler:
         loaded, wanted = runner.options, req.opts
         if wanted.num_ctx is not None:
             train = runner.info.context_length if runner.info is not None else 0
-            num_ctx = min(wanted.num_ctx, train) if train > 0 else wanted.num_ctx
+            num_ctx = fit_num_ctx(wanted.num_ctx, train, "vision" in req.model.capabilities)
             if loaded.num_ctx is not None and num_ctx > loaded.num_ctx:
                 return f"num_ctx {num_ctx} is larger than the loaded {loaded.num_ctx}"
         for name in ("num_batch", "main_gpu", "use_mmap", "num_thread", "num_gpu"):

@@ -7,6 +7,7 @@ Go channels successCh/errCh become one asyncio.Future per request, and a request
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import math
@@ -129,6 +130,20 @@ class ModelInfo:
     file_size: int = 0
 
 
+MIN_NUM_CTX = 4
+MIN_NUM_CTX_VISION = 2048  # an image's tokens must fit beside the text (Ollama's GetRunner)
+
+
+def fit_num_ctx(num_ctx: int, context_train: int = 0, vision: bool = False) -> int:
+    """The context a runner gets for a requested num_ctx: the one place it is clamped.
+
+    At least 4 (2048 for a vision model, as Ollama), at most the model's training context when known."""
+    num_ctx = max(num_ctx, MIN_NUM_CTX_VISION if vision else MIN_NUM_CTX)
+    if context_train > 0:
+        num_ctx = min(num_ctx, context_train)
+    return max(num_ctx, MIN_NUM_CTX)
+
+
 RUNNER_OPTIONS = ("num_ctx", "num_batch", "num_gpu", "main_gpu", "use_mmap", "num_thread")
 
 
@@ -153,13 +168,11 @@ class Options:
         options = options or {}
         return cls(**{name: options[name] for name in RUNNER_OPTIONS if options.get(name) is not None})
 
-    def resolved(self, default_num_ctx: int, context_train: int = 0) -> Options:
-        """Every field filled: Ollama's defaults, num_ctx clamped to the model's training context."""
+    def resolved(self, default_num_ctx: int, context_train: int = 0, vision: bool = False) -> Options:
+        """Every field filled: Ollama's defaults, num_ctx as fit_num_ctx makes it."""
         num_ctx = self.num_ctx if self.num_ctx is not None else default_num_ctx
-        if context_train > 0:
-            num_ctx = min(num_ctx, context_train)
         return Options(
-            num_ctx=max(num_ctx, 4),
+            num_ctx=fit_num_ctx(num_ctx, context_train, vision),
             num_batch=self.num_batch if self.num_batch is not None else 512,
             num_gpu=self.num_gpu if self.num_gpu is not None else -1,
             main_gpu=self.main_gpu if self.main_gpu is not None else 0,
@@ -207,6 +220,16 @@ NewServerFn = Callable[
 ]
 
 
+@dataclass
+class PreparedLoad:
+    """A runner started for a request that did not fit yet, kept with it while others are evicted."""
+
+    server: Server
+    info: ModelInfo
+    opts: Options  # resolved
+    num_parallel: int
+
+
 @dataclass(eq=False)
 class LlmRequest:
     """One request for a runner. `future` gets the RunnerRef or the error (Go's successCh / errCh)."""
@@ -219,9 +242,7 @@ class LlmRequest:
     sched_attempts: int = 0
     runner: RunnerRef | None = None  # the runner it was given: its finish counts there and nowhere else
     enqueued_at: float = field(default_factory=time.monotonic)
-    # a runner started for this request that did not fit yet, kept while others are evicted:
-    # (server, model info, resolved options, num_parallel)
-    prepared: tuple[Server, ModelInfo, Options, int] | None = None
+    prepared: PreparedLoad | None = None
 
     def __post_init__(self) -> None:
         # an error nobody awaits (the client left) must not be logged as "never retrieved"
@@ -237,8 +258,48 @@ class LlmRequest:
 
     def close_prepared(self) -> None:
         if self.prepared is not None:
-            self.prepared[0].close()
+            self.prepared.server.close()
             self.prepared = None
+
+
+class RequestQueue:
+    """The bounded FIFO of requests waiting to be scheduled (Go's pendingReqCh).
+
+    Unlike asyncio.Queue it can be looked into: /api/ps counts what waits here per model. One consumer
+    (process_pending) takes from it; anyone may put."""
+
+    def __init__(self, maxsize: int) -> None:
+        self.maxsize = max(maxsize, 1)
+        self._items: collections.deque[LlmRequest] = collections.deque()
+        self._nonempty = asyncio.Event()
+
+    def put_nowait(self, req: LlmRequest) -> None:
+        """Queue `req`; asyncio.QueueFull when maxsize requests already wait."""
+        if len(self._items) >= self.maxsize:
+            raise asyncio.QueueFull
+        self._items.append(req)
+        self._nonempty.set()
+
+    async def get(self) -> LlmRequest:
+        while not self._items:
+            self._nonempty.clear()
+            await self._nonempty.wait()
+        return self._items.popleft()
+
+    def get_nowait(self) -> LlmRequest:
+        if not self._items:
+            raise asyncio.QueueEmpty
+        return self._items.popleft()
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def qsize(self) -> int:
+        return len(self._items)
+
+    def snapshot(self) -> list[LlmRequest]:
+        """The waiting requests, oldest first."""
+        return list(self._items)
 
 
 @dataclass(eq=False)
