@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import assets
 import pytest
@@ -26,6 +28,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "reference" in item.keywords:
             item.add_marker(pytest.mark.skip(reason=REFERENCE_MISSING))
+
+
+@pytest.fixture(scope="module")
+def synthetic_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """`synthetic_model(arch, weight_type="F32", **options)`: a synthetic GGUF (fs/synthetic.py), written once per
+    module for each set of arguments, so that parametrized cases share their files."""
+    from ollama_engine.fs.synthetic import write_synthetic
+
+    folder = tmp_path_factory.mktemp("synthetic")
+    written: dict[str, Path] = {}
+
+    def write(arch: str, weight_type: str = "F32", **options: Any) -> Path:
+        key = repr((arch, weight_type, sorted(options.items())))
+        if key not in written:
+            target = folder / f"{arch}-{weight_type}-{len(written)}.gguf"
+            written[key] = write_synthetic(target, arch, weight_type=weight_type, **options)
+        return written[key]
+
+    return write
 
 
 @pytest.fixture(scope="session")

@@ -31,19 +31,9 @@ TOLERANCE = {"F32": 1e-6, "F16": 1e-6}
 
 
 @pytest.fixture(scope="module")
-def bert(tmp_path_factory: pytest.TempPathFactory):
-    folder = tmp_path_factory.mktemp("embeddings")
-    written: dict[tuple[str, Pooling], Path] = {}
-
-    def write(weight_type: str, pooling: Pooling) -> Path:
-        if (weight_type, pooling) not in written:
-            target = folder / f"bert-{weight_type}-{pooling.name.lower()}.gguf"
-            written[weight_type, pooling] = write_synthetic(
-                target, "bert", weight_type=weight_type, pooling_type=int(pooling)
-            )
-        return written[weight_type, pooling]
-
-    return write
+def bert(synthetic_model):
+    """bert(weight_type, pooling) -> a synthetic BERT pooling that way."""
+    return lambda weight_type, pooling: synthetic_model("bert", weight_type, pooling_type=int(pooling))
 
 
 def open_model(path: Path, flash: bool = False):

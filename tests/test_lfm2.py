@@ -12,54 +12,32 @@ cache's doing; with Q8_0 and Q4_0 weights batched equals solo bitwise in both en
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import numpy as np
 import pytest
-from llama_reference import Reference, compare_schedule, log_softmax
-from memory_checks import fitted_then_allocated
-from test_batch_invariance import complete, logprob_gap, run_prompts
+from llama_reference import compare_schedule
+from recurrent_checks import (
+    PROMPTS,
+    TOLERANCE,
+    assert_a_cache_hit_resumes_from_a_checkpoint,
+    assert_batch_loop_gives_batched_the_solo_logprobs,
+    assert_batched_equals_solo,
+    assert_diff_finds_every_tensor_equal,
+    assert_states_fit_and_run,
+    prompt_logprob_gap,
+)
 
-from ollama_engine import diff
-from ollama_engine.fs.synthetic import write_synthetic
-from ollama_engine.kvcache import Batch, Recurrent, cache_dtype
 from ollama_engine.models import ModelError, load_model
-from ollama_engine.runner.allocate import LoadParams, open_model
-from ollama_engine.runner.loop import Runner
-
-TOLERANCE = 1e-4
-PROMPTS = ("In a small village by the sea, there lived a fisherman who had three sons",
-           "Once upon a time there was a king who ruled")  # past min_position 16: checkpoints are written too
 
 
 @pytest.fixture(scope="module")
-def synthetic(tmp_path_factory: pytest.TempPathFactory):
-    folder = tmp_path_factory.mktemp("lfm2")
-
-    def write(weight_type: str = "Q8_0", arch: str = "lfm2", **options) -> Path:
-        path = folder / f"{arch}-{weight_type}-{'-'.join(f'{k}{v}' for k, v in options.items())}.gguf"
-        return path if path.exists() else write_synthetic(path, arch, weight_type=weight_type, **options)
-
-    return write
+def synthetic(synthetic_model):
+    """synthetic(weight_type="Q8_0", arch="lfm2", **options) -> the GGUF."""
+    return lambda weight_type="Q8_0", arch="lfm2", **options: synthetic_model(arch, weight_type, **options)
 
 
 @pytest.mark.reference
 def test_prompt_logits_match(synthetic):
     """Every row of a prompt, F32: the short convolutions and attention layers as llama.cpp computes them."""
-    path = synthetic("F32")
-    model = load_model(path, num_threads=2)
-    reference = Reference(path, n_ctx=512, n_batch=64)
-    try:
-        model.backend.load()
-        model.cache.init(model.backend, cache_dtype("f16"), 1, 512, 64)
-        tokens = model.tokenizer.encode(PROMPTS[0], add_special=True)
-        n = len(tokens)
-        ours = model.graphs.compute(Batch(positions=range(n), sequences=[0] * n, outputs=range(n), tokens=tokens))
-        theirs = reference.decode(tokens, range(n), [0] * n, range(n))
-    finally:
-        reference.close()
-        model.close()
-    assert np.abs(log_softmax(ours) - log_softmax(theirs)).max() < TOLERANCE
+    assert prompt_logprob_gap(synthetic("F32")) < TOLERANCE
 
 
 @pytest.mark.reference
@@ -97,65 +75,20 @@ def test_sliding_window_attention_matches(synthetic, weight_type, sequences, fla
 @pytest.mark.reference
 def test_diff_finds_every_tensor_equal_to_llama_cpps(synthetic):
     """ollama-engine diff: every layer's output (convolution and attention layers) and the logits, bitwise."""
-    result = diff.run_diff(synthetic("F32"), PROMPTS[0], threads=1, generate=2)
-    assert result.first_over is None and not result.departs
-    assert all(t.max_abs == 0 for t in result.tensors), [t for t in result.tensors if t.max_abs != 0]
-    assert {"l_out-0", "l_out-1", "l_out-2", "l_out-3", "result_norm", "result_output"} <= {
-        t.name for t in result.tensors}
-
-
-def greedy(model, seqs: list[int], steps: int = 12) -> dict[int, list[np.ndarray]]:
-    """Each sequence's logits after its prompt and `steps` greedy steps, sequences batched together."""
-    for s in seqs:
-        model.cache.remove(s, 0)
-    texts = {s: model.tokenizer.encode(PROMPTS[s], add_special=True) for s in seqs}
-    batch = Batch(positions=[p for s in seqs for p in range(len(texts[s]))],
-                  sequences=[s for s in seqs for _ in texts[s]],
-                  outputs=np.cumsum([len(texts[s]) for s in seqs]) - 1, tokens=[t for s in seqs for t in texts[s]])
-    logits: dict[int, list[np.ndarray]] = {s: [] for s in seqs}
-    for _ in range(steps):
-        for s, row in zip(seqs, model.graphs.compute(batch), strict=True):
-            logits[s].append(row)
-            texts[s].append(int(row.argmax()))
-        batch = Batch(positions=[len(texts[s]) - 1 for s in seqs], sequences=seqs, outputs=range(len(seqs)),
-                      tokens=[texts[s][-1] for s in seqs])
-    return logits
+    assert_diff_finds_every_tensor_equal(synthetic("F32"), {"l_out-0", "l_out-1", "l_out-2", "l_out-3",
+                                                            "result_norm", "result_output"})
 
 
 @pytest.mark.parametrize(("arch", "flash"), [("lfm2", False), ("lfm2", True), ("lfm2moe", False)])
 def test_batched_equals_solo(synthetic, arch, flash):
-    """A sequence's logits do not depend on another sequence sharing its batches (prompt of another length,
-    then decode steps that cross checkpoint positions): bitwise."""
-    model = load_model(synthetic(arch=arch), num_threads=1, flash_attention=flash)
-    try:
-        model.backend.load()
-        model.cache.init(model.backend, cache_dtype("f16"), 2, 256, 32)
-        together = greedy(model, [0, 1])
-        assert model.cache.checkpoints(0) and model.cache.checkpoints(1)
-        for s in (0, 1):
-            for step, (a, b) in enumerate(zip(greedy(model, [s])[s], together[s], strict=True)):
-                np.testing.assert_array_equal(a, b, err_msg=f"sequence {s}, step {step}")
-    finally:
-        model.close()
+    assert_batched_equals_solo(synthetic(arch=arch), flash)
 
 
 @pytest.mark.parametrize("arch", ["lfm2", "lfm2moe"])
 def test_fit_equals_alloc_and_states_are_reported_per_layer(synthetic, arch):
-    """fit reports what alloc allocates; the convolution layers' cache is their state rows (slots,
-    checkpoints, a zero and a scratch row), the attention layers' their keys and values."""
-    params = LoadParams(parallel=2, batch_size=32, kv_size=256, num_threads=1)
-    with fitted_then_allocated(str(synthetic(arch=arch)), params) as loaded:
-        cache = loaded.model.cache
-        assert isinstance(cache, Recurrent)
-        report = loaded.memory.cpu.cache
-        rows = 2 * (cache.checkpoint_count + 1) + 2
-        for layer in (0, 2):
-            assert report[layer] == cache.state_bytes(layer) == (3 - 1) * 64 * 4 * rows
-        assert report[1] > 0 and report[3] > 0 and cache.state_bytes(1) == 0
-        graphs = loaded.model.graphs
-        graphs.compute(Batch(positions=range(32), sequences=[0] * 32, outputs=[31], tokens=np.arange(32) + 100))
-        for step in range(3):
-            graphs.compute(Batch(positions=[32 + step], sequences=[0], outputs=[0], tokens=[7]))
+    """The convolution layers' cache is their state rows (3 - 1 taps of 64 channels, F32), the attention
+    layers' their keys and values."""
+    assert_states_fit_and_run(synthetic(arch=arch), {0: (3 - 1) * 64 * 4, 2: (3 - 1) * 64 * 4}, attention=(1, 3))
 
 
 @pytest.mark.parametrize(("options", "message"), [
@@ -168,39 +101,8 @@ def test_unsupported_files_are_a_clear_error(synthetic, options, message):
 
 
 def test_the_batch_loop_gives_batched_the_solo_logprobs(synthetic):
-    """Through the runner's batch loop (prompts longer than a batch, shared prefixes, two slots): six
-    completions one after the other, then two at a time; the same greedy tokens and logprobs, exactly."""
-    solo = run_prompts(synthetic(), 2, False, concurrent=False)
-    batched = run_prompts(synthetic(), 2, False, concurrent=True)
-    assert max(logprob_gap(a, b) for a, b in zip(solo, batched, strict=True)) == 0.0
+    assert_batch_loop_gives_batched_the_solo_logprobs(synthetic())
 
 
 def test_a_prompt_cache_hit_through_the_runner_resumes_from_a_checkpoint(synthetic):
-    """A prompt sharing most of an earlier one resumes from a state checkpoint (not from position 0) and
-    answers as a cold runner does."""
-    story = " ".join(["the old fisherman went down to the sea every morning"] * 6)
-    first, second = story + ".", story + " and he caught nothing at all that day."
-    params = LoadParams(parallel=1, batch_size=16, kv_size=512, num_threads=1)
-    answers, restored = [], []
-    for prompts in ([first, second], [second]):
-        loaded = open_model(str(synthetic()), params, allocate=True)
-        loaded.model.backend.load()
-        def spy(seq: int, begin: int, end: int | None = None, remove=loaded.model.cache.remove) -> None:
-            restored.append(begin)
-            remove(seq, begin, end)
-
-        loaded.model.cache.remove = spy
-        errors: list[BaseException] = []
-        runner = Runner(loaded, errors.append)
-        runner.start()
-        try:
-            answers.append([complete(runner, prompt) for prompt in prompts][-1])
-        finally:
-            runner.close()
-            loaded.close()
-        assert not errors
-    # the first prompt (61 inputs, batches of 16) left checkpoints after positions 31 (its first batch past
-    # min_position 16), 47 (its last full batch) and 60 (its end); exact reuse (runner/exact.py) resumes the
-    # second prompt (69 inputs) at a batch boundary, 48, from the checkpoint after 47
-    assert restored == [0, 48, 0]
-    assert logprob_gap(answers[1], answers[0]) == 0.0
+    assert_a_cache_hit_resumes_from_a_checkpoint(synthetic())

@@ -26,18 +26,9 @@ TOLERANCE = 1e-6
 
 
 @pytest.fixture(scope="module")
-def nomic(tmp_path_factory: pytest.TempPathFactory):
-    folder = tmp_path_factory.mktemp("nomic")
-    written: dict[tuple[str, Pooling], Path] = {}
-
-    def write(weight_type: str, pooling: Pooling) -> Path:
-        if (weight_type, pooling) not in written:
-            target = folder / f"nomic-{weight_type}-{pooling.name.lower()}.gguf"
-            written[weight_type, pooling] = write_synthetic(
-                target, "nomic-bert", weight_type=weight_type, pooling_type=int(pooling))
-        return written[weight_type, pooling]
-
-    return write
+def nomic(synthetic_model):
+    """nomic(weight_type, pooling) -> a synthetic nomic-bert pooling that way."""
+    return lambda weight_type, pooling: synthetic_model("nomic-bert", weight_type, pooling_type=int(pooling))
 
 
 @pytest.mark.reference
@@ -90,18 +81,9 @@ BATCHED_TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module")
-def nomic_moe(tmp_path_factory: pytest.TempPathFactory):
-    folder = tmp_path_factory.mktemp("nomic-moe")
-    written: dict[tuple[str, int], Path] = {}
-
-    def write(weight_type: str = "F32", moe_every: int = 2) -> Path:
-        if (weight_type, moe_every) not in written:
-            written[weight_type, moe_every] = write_synthetic(
-                folder / f"nomic-moe-{weight_type}-{moe_every}.gguf", "nomic-bert-moe", weight_type=weight_type,
-                moe_every=moe_every)
-        return written[weight_type, moe_every]
-
-    return write
+def nomic_moe(synthetic_model):
+    """nomic_moe(weight_type, moe_every) -> a synthetic nomic-bert-moe with experts every moe_every layers."""
+    return lambda weight_type="F32", moe_every=2: synthetic_model("nomic-bert-moe", weight_type, moe_every=moe_every)
 
 
 @pytest.mark.reference

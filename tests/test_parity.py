@@ -39,18 +39,9 @@ THREADS = 1
 
 
 @pytest.fixture(scope="module")
-def synthetic(tmp_path_factory: pytest.TempPathFactory):
-    folder = tmp_path_factory.mktemp("parity")
-    written: dict[tuple[str, str], Path] = {}
-
-    def write(name: str, weight_type: str) -> Path:
-        if (name, weight_type) not in written:
-            arch, options = MODELS[name]
-            written[name, weight_type] = write_synthetic(
-                folder / f"{name}-{weight_type}.gguf", arch, weight_type=weight_type, **options)
-        return written[name, weight_type]
-
-    return write
+def synthetic(synthetic_model):
+    """MODELS' entries by name: synthetic(name, weight_type) -> the GGUF."""
+    return lambda name, weight_type: synthetic_model(MODELS[name][0], weight_type, **MODELS[name][1])
 
 
 @pytest.fixture
