@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 from llama_reference import PROMPTS, Reference, compare_schedule, log_softmax
 
-from ollama_engine.fs.synthetic import write_synthetic
 from ollama_engine.kvcache import Batch, cache_dtype
 from ollama_engine.models import load_model
 
@@ -26,34 +25,20 @@ REAL_TOLERANCE = 1e-4  # on logprobs, as for SmolLM2
 THREADS = 2
 
 
-@pytest.fixture(scope="module")
-def synthetic(tmp_path_factory: pytest.TempPathFactory):
-    folder = tmp_path_factory.mktemp("gemma")
-    written: dict[tuple[str, str], Path] = {}
-
-    def write(arch: str, weight_type: str) -> Path:
-        if (arch, weight_type) not in written:
-            written[arch, weight_type] = write_synthetic(folder / f"{arch}-{weight_type}.gguf", arch,
-                                                         weight_type=weight_type)
-        return written[arch, weight_type]
-
-    return write
-
-
 @pytest.mark.parametrize("sequences", [1, 2], ids=["alone", "batched"])
 @pytest.mark.parametrize(("arch", "weight_type"), [("gemma2", "F16"), ("gemma2", "Q8_0"), ("gemma3", "F16"),
                                                    ("gemma3", "Q4_0")])
-def test_synthetic_matches_llama_cpp(synthetic, arch, weight_type, sequences):
+def test_synthetic_matches_llama_cpp(synthetic_model, arch, weight_type, sequences):
     """Prompts of ~11 tokens and 12 decoded ones: past the 8-position window of the sliding layers."""
-    compare_schedule(synthetic(arch, weight_type), flash=False, cache_type="f16", sequences=sequences, steps=12,
+    compare_schedule(synthetic_model(arch, weight_type), flash=False, cache_type="f16", sequences=sequences, steps=12,
                      tolerance=SYNTHETIC_TOLERANCE, threads=THREADS)
 
 
 @pytest.mark.parametrize("cache_type", ["f16", "q8_0"])
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
-def test_synthetic_flash_attention_matches_llama_cpp(synthetic, arch, cache_type):
+def test_synthetic_flash_attention_matches_llama_cpp(synthetic_model, arch, cache_type):
     """ggml's fused kernel applies Gemma 2's attention softcap itself."""
-    compare_schedule(synthetic(arch, "F16"), flash=True, cache_type=cache_type, sequences=2, steps=12,
+    compare_schedule(synthetic_model(arch, "F16"), flash=True, cache_type=cache_type, sequences=2, steps=12,
                      tolerance=SYNTHETIC_TOLERANCE, threads=THREADS)
 
 
@@ -94,9 +79,9 @@ def shift_then_decode(path: Path, tokens: list[int], keep: int, discard: int, st
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
-def test_synthetic_context_shift_matches_llama_cpp(synthetic, arch):
+def test_synthetic_context_shift_matches_llama_cpp(synthetic_model, arch):
     """Keys are re-rotated with their layer's RoPE base (sliding and global layers differ in Gemma 3)."""
-    path = synthetic(arch, "F16")
+    path = synthetic_model(arch, "F16")
     tokens = encode(path, "In a small village by the sea, there lived a fisherman who had three sons")
     shift_then_decode(path, tokens, keep=3, discard=5, steps=8, tolerance=SYNTHETIC_TOLERANCE)
 
