@@ -1,14 +1,17 @@
 """Model definitions, imported as ollama_engine.models: one file per architecture, and the registry.
 
 `load_model(path)` opens a GGUF file, picks the architecture by general.architecture (`<arch>_embed`
-for pooling models), and builds the backend (weights placed and, unless fitting, allocated but not
-yet read: call `model.backend.load()`), the tokenizer, the model and its cache (not yet sized: the
-caller knows the context and batch sizes and calls `model.cache.init`).
+for pooling models; every module of this package is imported, and an architecture's registers itself),
+and builds the backend (weights placed and, unless fitting, allocated but not yet read: call
+`model.backend.load()`), the tokenizer, the model and its cache (not yet sized: the caller knows the
+context and batch sizes and calls `model.cache.init`).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
+import pkgutil
 from collections.abc import Iterable
 
 from ollama_engine.fs import GGUFFile
@@ -16,36 +19,18 @@ from ollama_engine.kvcache import Batch
 from ollama_engine.ml import Backend, Context, GPULayers, Tensor
 from ollama_engine.tokenizer import Tokenizer, from_metadata
 
-from . import (  # noqa: F401 - importing an architecture registers it
-    bert,
-    deepseek2,
-    gemma2,
-    gemma3,
-    gemma4,
-    gemma3n,
-    glm4moelite,
-    gptoss,
-    laguna,
-    lfm2,
-    lfm2moe,
-    llama,
-    llama4,
-    mistral3,
-    nemotron_h,
-    nemotron_h_moe,
-    nomic_bert,
-    olmo2,
-    olmo3,
-    phi3,
-    qwen2,
-    qwen2moe,
-    qwen3,
-    qwen3moe,
-    qwen3next,
-    qwen35,
-)
 from .base import REGISTRY, Model, ModelError, bind, model_class, register, registry_name, require_uint, weight
 from .graphs import Graph, Graphs
+
+
+def _import_architectures() -> None:
+    """Import every module of this package: each architecture's registers itself (base.register), so a new
+    architecture is its file alone; shared modules (layers, moe, sliding...) register nothing."""
+    for module in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{module.name}")
+
+
+_import_architectures()
 
 
 def load_model(

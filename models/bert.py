@@ -15,26 +15,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from enum import IntEnum
 
 import numpy as np
 
-from ollama_engine.fs import Config
 from ollama_engine.kvcache import Batch, attention
 from ollama_engine.ml import Backend, Context, Tensor
 from ollama_engine.tokenizer import Tokenizer
 
-from .base import Model, ModelError, bind, register, require_uint, weight
+from .base import Model, bind, register, weight
+from .pooling import Options, Pooling, pool
 
-
-class Pooling(IntEnum):
-    """`<arch>.pooling_type`, llama.cpp's enum llama_pooling_type."""
-
-    NONE = 0
-    MEAN = 1
-    CLS = 2
-    LAST = 3
-    RANK = 4
+__all__ = ["Bert", "Options", "Pooling"]
 
 
 @dataclass
@@ -69,37 +60,6 @@ class Weights:
     cls_bias: Tensor | None = weight("cls.bias", optional=True)
     cls_output: Tensor | None = weight("cls.output.weight", optional=True, matrix=True)  # (hidden, n_cls_out)
     cls_output_bias: Tensor | None = weight("cls.output.bias", optional=True)
-
-
-@dataclass(frozen=True)
-class Options:
-    block_count: int
-    hidden: int
-    heads: int
-    head_dim: int
-    eps: float
-    pooling: Pooling
-    normalize: bool
-
-    @classmethod
-    def from_config(cls, config: Config) -> Options:
-        hidden = require_uint(config, "embedding_length")
-        heads = require_uint(config, "attention.head_count")
-        if heads == 0 or hidden == 0 or hidden % heads:
-            raise ModelError(f"embedding_length {hidden} must be a positive multiple of attention.head_count {heads}")
-        pooling = config.get_uint("pooling_type", 0)
-        if pooling not in set(Pooling):
-            raise ModelError(f"{config.full_key('pooling_type')} {pooling} is not one of "
-                             f"{', '.join(f'{p.value} ({p.name.lower()})' for p in Pooling)}")
-        return cls(
-            block_count=require_uint(config, "block_count"),
-            hidden=hidden,
-            heads=heads,
-            head_dim=hidden // heads,
-            eps=config.get_float("attention.layer_norm_epsilon", 1e-12),
-            pooling=Pooling(pooling),
-            normalize=config.get_bool("normalize_embeddings", True),
-        )
 
 
 @register("bert", "bert_embed")
@@ -139,8 +99,8 @@ class Bert(Model):
         if o.pooling == Pooling.NONE:
             return h
         if o.pooling == Pooling.RANK:
-            return self.classify(self.pool(h)).set_name("result_embd_pooled")
-        h = self.pool(h).set_name("result_embd_pooled")
+            return self.classify(pool(h, o)).set_name("result_embd_pooled")
+        h = pool(h, o).set_name("result_embd_pooled")
         return h.l2_norm(1e-12) if o.normalize else h
 
     def classify(self, h: Tensor) -> Tensor:
@@ -153,11 +113,3 @@ class Bert(Model):
             h = w.cls_output.matmul(h)
             h = h.add(w.cls_output_bias) if w.cls_output_bias is not None else h
         return h
-
-    def pool(self, h: Tensor) -> Tensor:
-        """One (hidden,) vector from the hidden states (hidden, n) of the batch's tokens."""
-        o, n = self.options, h.ne[1]
-        if o.pooling == Pooling.MEAN:
-            return h.transpose().contiguous().mean().reshape(o.hidden)
-        row = n - 1 if o.pooling == Pooling.LAST else 0  # CLS and RANK (non-causal): the first token
-        return h.view(row * h.strides[1], [o.hidden]).contiguous()

@@ -35,7 +35,7 @@ from ollama_engine.ml import Backend, Context, Tensor
 from ollama_engine.tokenizer import Tokenizer
 
 from .base import Model, ModelError, bind, register, require_uint, weight
-from .llama import Weights
+from .layers import Output, ffn, head, inputs, query_temperature
 from .moe import Gating, Routing, bind_experts, moe
 from .rope import yarn_options
 
@@ -193,7 +193,7 @@ class DeepSeek2(Model):
         super().__init__(backend, tokenizer)
         self.config = self.hyperparameters(self.config)
         self.options = o = Options.from_config(self.config)
-        self.weights = bind(Weights, backend)
+        self.weights = bind(Output, backend)
         self.layers = [bind(Layer, backend, f"blk.{i}.") for i in range(o.block_count)]
         for i, layer in enumerate(self.layers):
             self._check(layer, i)
@@ -255,9 +255,7 @@ class DeepSeek2(Model):
         o = self.options
         if not o.temperature:
             return {}
-        intervals = np.floor(np.asarray(batch.positions, dtype=np.float64) / o.temperature_length)
-        scales = np.log(intervals + 1.0) * o.temperature + 1.0
-        return {"attn_scale": scales.astype(np.float32).reshape(-1, 1, 1)}
+        return {"attn_scale": query_temperature(batch.positions, o.temperature, o.temperature_length)}
 
     def rope(self, x: Tensor, positions: Tensor) -> Tensor:
         o = self.options
@@ -312,40 +310,25 @@ class DeepSeek2(Model):
 
     def feed_forward(self, layer: Layer, x: Tensor, i: int) -> Tensor:
         if i < self.options.leading_dense:
-            return _swiglu(x, layer.ffn_gate, layer.ffn_up, layer.ffn_down, i)
+            return ffn(x, layer.ffn_gate, layer.ffn_up, layer.ffn_down, i)
         out = moe(x, self.experts[i], self.routing, i)
-        shared = _swiglu(x, layer.ffn_gate_shexp, layer.ffn_up_shexp, layer.ffn_down_shexp, i)
+        shared = ffn(x, layer.ffn_gate_shexp, layer.ffn_up_shexp, layer.ffn_down_shexp, i)
         return out.add(shared.set_name(f"ffn_shexp-{i}"))
 
     def forward(self, ctx: Context, batch: Batch) -> Tensor | None:
-        if batch.tokens is None:
-            raise ValueError("a text model's batch needs token ids")
-        o = self.options
-        inputs = ctx.input()
-        positions = inputs.from_numpy(batch.positions).set_name("positions")
-        h = self.weights.token_embd.rows(inputs.from_numpy(batch.tokens).set_name("tokens")).set_name("embd")
-        outputs = inputs.from_numpy(batch.outputs).set_name("outputs") if len(batch.outputs) else None
-        temperature = None
-        for name, values in self.batch_inputs(batch).items():
-            temperature = inputs.from_numpy(values).set_name(name)
-        last = len(self.layers) - 1
+        o, w = self.options, self.weights
+        inp = inputs(ctx, batch, len(self.layers))
+        h = w.token_embd.rows(inp.tokens).set_name("embd")
+        temperature = {name: ctx.input().from_numpy(values).set_name(name)
+                       for name, values in self.batch_inputs(batch).items()}.get("attn_scale")
         for i, layer in enumerate(self.layers):
             self.cache.set_layer(i)
-            x = self.self_attention(ctx, layer, h.rms_norm(layer.attn_norm, o.eps).set_name(f"attn_norm-{i}"),
-                                    positions, temperature, i)
-            if i == last:
-                if outputs is None:
-                    return None  # the cache holds the keys; nothing else is wanted
-                x, h = x.rows(outputs), h.rows(outputs)
+            x = h.rms_norm(layer.attn_norm, o.eps).set_name(f"attn_norm-{i}")
+            x = self.self_attention(ctx, layer, x, inp.positions, temperature, i)
+            if inp.done(i):
+                return None
+            x, h = inp.rows(i, x, h)
             h = layer.attn_output.matmul(x).add(h).set_name(f"ffn_inp-{i}")
             x = self.feed_forward(layer, h.rms_norm(layer.ffn_norm, o.eps).set_name(f"ffn_norm-{i}"), i)
             h = x.set_name(f"ffn_out-{i}").add(h).set_name(f"l_out-{i}")
-        h = h.rms_norm(self.weights.output_norm, o.eps).set_name("result_norm")
-        return self.weights.output.matmul(h).set_name("result_output")
-
-
-def _swiglu(x: Tensor, gate: Tensor, up: Tensor, down: Tensor, i: int) -> Tensor:
-    """down(silu(gate x) * up x), named as llama.cpp's build_ffn names it (the shared experts too)."""
-    u = up.matmul(x).set_name(f"ffn_up-{i}")
-    g = gate.matmul(x).set_name(f"ffn_gate-{i}")
-    return down.matmul(g.silu(u).set_name(f"ffn_swiglu-{i}"))
+        return head(h, w.output_norm, w.output, o.eps)

@@ -20,17 +20,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ollama_engine.kvcache import Batch, Causal, Wrapper, attention
+from ollama_engine.kvcache import Batch
 from ollama_engine.ml import Backend, Context, Tensor
 from ollama_engine.tokenizer import Tokenizer
 
-from .base import ModelError, register, weight
-from .gemma2 import check_window, swa_layers
-from .llama import Llama
+from .base import Model, ModelError, bind, register, weight
+from .layers import Output, attend, fused_heads, head, heads, inputs, linear
 from .moe import Gating, Routing, bind_experts, moe
+from .options import Options
 from .rope import yarn_options
+from .sliding import GLOBAL, SWA, check_window, sliding_cache, swa_layers
 
-SWA, GLOBAL = 0, 1  # the Wrapper's caches, by layer type
 SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
 
 
@@ -70,71 +70,66 @@ class OllamaLayer(Layer):
 
 
 @register("gpt-oss")
-class GptOss(Llama):
-    layer_type = Layer  # type: ignore[assignment]  # its own: biases, sinks, no dense FFN
+class GptOss(Model):
+    layer_type: type[Layer] = Layer
     rope_scaling = "linear"  # rope.scaling.type where the file has none
+    reuse_graphs = True
 
     def __init__(self, backend: Backend, tokenizer: Tokenizer | None):
         super().__init__(backend, tokenizer)
-        o = self.options
-        self.rope_options = yarn_options(self.config, o.rope_scale, neox=True, scaling=self.rope_scaling)
-        self.routing = Routing.from_config(self.config, Gating.SOFTMAX_WEIGHT, normalize=False,
-                                           scale=self.config.get_float("expert_weights_scale", 0.0))
+        c = self.config
+        self.options = o = Options.from_config(c)
+        self.weights = bind(Output, backend)
+        self.layers = [bind(self.layer_type, backend, f"blk.{i}.") for i in range(o.block_count)]
+        self.rope_options = yarn_options(c, o.rope_scale, neox=True, scaling=self.rope_scaling)
+        self.routing = Routing.from_config(c, Gating.SOFTMAX_WEIGHT, normalize=False,
+                                           scale=c.get_float("expert_weights_scale", 0.0))
         self.experts = [bind_experts(backend, i, self.routing, o.hidden) for i in range(o.block_count)]
-        self.window = self.config.get_uint("attention.sliding_window", 0)
-        self.swa = swa_layers(self.config, o.block_count, 2) if self.window else (False,) * o.block_count
+        self.window = c.get_uint("attention.sliding_window", 0)
+        self.swa = swa_layers(c, o.block_count, 2) if self.window else (False,) * o.block_count
         check_window(self.window, self.swa)
-        # Causal's window counts the positions before a token; llama.cpp's n_swa includes the token. Sliding
-        # layers keep a ring of n_swa + batch cells, as llama.cpp's default (swa_full off).
-        sliding = Causal(self.shift, window_size=max(self.window - 1, 1))
-        self.cache = Wrapper(sliding, Causal(self.shift))
+        self.cache = sliding_cache(self.shift, self.window)
+
+    def rope(self, x: Tensor, positions: Tensor, layer: int) -> Tensor:
+        o = self.options
+        factors = self.layers[layer].rope_freqs
+        return x.rope(positions, o.rope_dims, o.rope_base, o.rope_scale, factors, self.rope_options)
+
+    def shift(self, ctx: Context, layer: int, key: Tensor, delta: Tensor) -> Tensor:
+        return self.rope(key, delta, layer)
 
     def qkv(self, layer: Layer, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        o, n = self.options, x.ne[1]
+        o = self.options
         if isinstance(layer, OllamaLayer) and layer.attn_qkv is not None:
-            qkv = _biased(layer.attn_qkv.matmul(x), layer.attn_qkv_bias)
-            head, row = qkv.strides[0] * o.head_dim, qkv.strides[1]
+            return fused_heads(linear(x, layer.attn_qkv, layer.attn_qkv_bias), o.head_dim, o.heads, o.kv_heads)
+        return (heads(x, layer.attn_q, layer.attn_q_bias, o.head_dim, o.heads),
+                heads(x, layer.attn_k, layer.attn_k_bias, o.head_dim, o.kv_heads),
+                heads(x, layer.attn_v, layer.attn_v_bias, o.head_dim, o.kv_heads))
 
-            def heads(first: int, count: int) -> Tensor:  # views of the fused rows, as phi3's
-                return qkv.view(first * head, (o.head_dim, count, n), (head, row))
-
-            return heads(0, o.heads), heads(o.heads, o.kv_heads), heads(o.heads + o.kv_heads, o.kv_heads).contiguous()
-        q = _biased(layer.attn_q.matmul(x), layer.attn_q_bias).reshape(o.head_dim, o.heads, n)
-        k = _biased(layer.attn_k.matmul(x), layer.attn_k_bias).reshape(o.head_dim, o.kv_heads, n)
-        v = _biased(layer.attn_v.matmul(x), layer.attn_v_bias).reshape(o.head_dim, o.kv_heads, n)
-        return q, k, v
-
-    def feed_forward(self, layer: Layer, x: Tensor, index: int) -> Tensor:
+    def feed_forward(self, x: Tensor, i: int) -> Tensor:
         def swiglu_oai(gate: Tensor, up: Tensor) -> Tensor:
             return gate.swiglu_oai(up, SWIGLU_ALPHA, SWIGLU_LIMIT)
 
-        return moe(x, self.experts[index], self.routing, index, swiglu_oai)
+        return moe(x, self.experts[i], self.routing, i, swiglu_oai)
 
     def forward(self, ctx: Context, batch: Batch) -> Tensor | None:
-        if batch.tokens is None:
-            raise ValueError("a text model's batch needs token ids")
-        o = self.options
-        inputs = ctx.input()
-        positions = inputs.from_numpy(batch.positions).set_name("positions")
-        h = self.weights.token_embd.rows(inputs.from_numpy(batch.tokens).set_name("tokens"))
+        o, w = self.options, self.weights
+        inp = inputs(ctx, batch, len(self.layers))
+        h = w.token_embd.rows(inp.tokens)
         for i, layer in enumerate(self.layers):
             self.cache.set_layer(i)
             self.cache.set_layer_type(SWA if self.swa[i] else GLOBAL)
             q, k, v = self.qkv(layer, h.rms_norm(layer.attn_norm, o.eps).set_name(f"attn_norm-{i}"))
-            q = self.rope(q, positions, i).set_name(f"Qcur-{i}")
-            k = self.rope(k, positions, i).set_name(f"Kcur-{i}")
-            x = attention(ctx, q, k, v.set_name(f"Vcur-{i}"), o.attention_scale, self.cache, sinks=layer.attn_sinks)
-            x = x.reshape(o.head_dim * o.heads, len(batch)).set_name(f"kqv_out-{i}")
-            x = layer.attn_output.matmul(x).add(layer.attn_output_bias).set_name(f"attn_out-{i}")
+            q = self.rope(q, inp.positions, i).set_name(f"Qcur-{i}")
+            k = self.rope(k, inp.positions, i).set_name(f"Kcur-{i}")
+            x = attend(ctx, self.cache, q, k, v.set_name(f"Vcur-{i}"), o.attention_scale, i, sinks=layer.attn_sinks)
+            x = linear(x, layer.attn_output, layer.attn_output_bias).set_name(f"attn_out-{i}")
             h = x.add(h).set_name(f"ffn_inp-{i}")
             x = h.rms_norm(layer.post_attention_norm, o.eps).set_name(f"attn_post_norm-{i}")
-            x = self.feed_forward(layer, x, i)
-            h = x.add(h).set_name(f"l_out-{i}")
-        if not len(batch.outputs):
+            h = self.feed_forward(x, i).add(h).set_name(f"l_out-{i}")
+        if inp.outputs is None:
             return None  # the keys and values are stored; nothing else is wanted
-        h = h.rows(inputs.from_numpy(batch.outputs).set_name("outputs"))
-        h = h.rms_norm(self.weights.output_norm, o.eps).set_name("result_norm")
-        return self.weights.output.matmul(h).set_name("result_output")
+        return head(h.rows(inp.outputs), w.output_norm, w.output, o.eps)  # llama.cpp takes the rows last here
 
 
 @register("gptoss")
@@ -147,7 +142,3 @@ class OllamaGptOss(GptOss):
         for i, layer in enumerate(self.layers):
             if layer.attn_qkv is None and None in (layer.attn_q, layer.attn_k, layer.attn_v):
                 raise ModelError(f"model is missing required tensor blk.{i}.attn_qkv.weight (or attn_q/k/v)")
-
-
-def _biased(x: Tensor, bias: Tensor | None) -> Tensor:
-    return x if bias is None else x.add(bias)

@@ -29,6 +29,25 @@ BATCH_INPUTS = ("tokens", "positions", "outputs")
 """The graph inputs a reusable model names after the batch arrays they hold."""
 
 
+def stale_inputs(graph: Graph, batch: Batch) -> list[str]:
+    """The names of `graph`'s inputs that bind(batch) left unlike those of a graph built for `batch`.
+
+    A reused graph rewrites only the cache's inputs, BATCH_INPUTS and Model.batch_inputs(); an input that
+    forward() computes from the batch some other way would keep the values of the batch it was built for.
+    This detects that, whatever the model: it builds a second graph for the batch (so it is for tests, not
+    per token) and compares every input by name. Call it after graph.bind(batch), before the next acquire.
+    """
+    fresh = Graph(graph.model, None, batch)
+    try:
+        expected = fresh.ctx.input_values()
+    finally:
+        fresh.ctx.close()
+    if "" in expected:
+        return [""]  # an unnamed input cannot be matched, so it cannot be shown to be refreshed
+    actual = graph.ctx.input_values()
+    return sorted(name for name, values in expected.items() if actual.get(name) != values)
+
+
 class Graph:
     """One built forward graph: its context, its logits tensor (None if no row wants logits)."""
 

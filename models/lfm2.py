@@ -10,7 +10,8 @@ kernel of shortconv.l_cache taps (ggml_ssm_conv) whose first l_cache - 1 inputs 
 (the state the cache keeps per sequence: the last l_cache - 1 inputs of every channel); the result times c
 goes through out_proj. Attention: per-head RMS-normalised q and k (attn_q_norm, attn_k_norm), NeoX RoPE.
 Each sequence of a batch is convolved on its own (kvcache/recurrent.py). Files with
-attention.sliding_window make every attention layer a sliding-window one.
+attention.sliding_window make every attention layer a sliding-window one. LFM2-MoE (Lfm2Moe, below) has
+mixtures of experts in place of all but the leading dense FFNs.
 """
 
 from __future__ import annotations
@@ -23,20 +24,17 @@ from ollama_engine.ml import Backend, Context, RopeOptions, Tensor
 from ollama_engine.tokenizer import Tokenizer
 
 from .base import Model, ModelError, bind, register, require_uint, weight
-from .gemma2 import check_window
+from .layers import Dense, ffn, head, inputs, per_sequence
+from .moe import Experts, Gating, Routing, bind_experts, moe
+from .sliding import check_window
+
+GATING = {1: Gating.SOFTMAX, 2: Gating.SIGMOID}  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_*
 
 
 @dataclass
 class Norms:
     attn_norm: Tensor = weight("attn_norm.weight")  # llama.cpp's operator_norm, before either kind of op
     ffn_norm: Tensor = weight("ffn_norm.weight")
-
-
-@dataclass
-class Dense:
-    ffn_gate: Tensor = weight("ffn_gate.weight")
-    ffn_up: Tensor = weight("ffn_up.weight")
-    ffn_down: Tensor = weight("ffn_down.weight")
 
 
 @dataclass
@@ -91,6 +89,8 @@ class Lfm2(Model):
         self.layers: list[ConvLayer | AttentionLayer] = [
             bind(AttentionLayer if self.kv_heads[i] else ConvLayer, backend, f"blk.{i}.") for i in range(self.blocks)]
         self.dense = {i: bind(Dense, backend, f"blk.{i}.") for i in range(self.blocks) if self.is_dense(i)}
+        self.routing: Routing | None = None
+        self.experts: dict[int, Experts] = {}
         conv_state = (self.l_cache - 1) * self.hidden
         # with attention.sliding_window every attention layer slides (llama.cpp's iswa graph), in a ring of
         # n_swa + batch cells as gemma2's (llama.cpp's n_swa counts the token itself)
@@ -104,8 +104,11 @@ class Lfm2(Model):
 
     def feed_forward(self, x: Tensor, layer: int) -> Tensor:
         """The FFN's output for the normed hidden states x of `layer`."""
-        ffn = self.dense[layer]
-        return ffn.ffn_down.matmul(ffn.ffn_gate.matmul(x).silu(ffn.ffn_up.matmul(x)))
+        if not self.is_dense(layer):
+            assert self.routing is not None
+            return moe(x, self.experts[layer], self.routing, layer)
+        dense = self.dense[layer]
+        return ffn(x, dense.ffn_gate, dense.ffn_up, dense.ffn_down, layer)
 
     def shift(self, ctx: Context, layer: int, key: Tensor, delta: Tensor) -> Tensor:
         return key.rope(delta, self.head_dim, self.rope_base, 1.0, None, self.rope_options)
@@ -117,16 +120,15 @@ class Lfm2(Model):
         stride = bcx.strides[1]
         b, x = (bcx.view(k * h * 4, (h, bcx.ne[1]), (stride,)) for k in (0, 2))
         bx = b.mul(x)
-        outputs = []
-        for s, (begin, count) in enumerate(self.cache.spans()):
+
+        def convolve(s: int, begin: int, count: int) -> Tensor:
             state = self.cache.state(ctx, i, s).reshape(d_conv, h)
             sx = state.concat(bx.view(begin * bx.strides[1], (h, count)).transpose(), 0)  # (d_conv + count, h)
             self.cache.update(ctx, i, s, [sx.view(count * 4, (d_conv, h), (sx.strides[1],))])
             conv = sx.reshape(d_conv + count, h, 1).ssm_conv(layer.conv).reshape(h, count)
-            outputs.append(bcx.view(begin * stride + h * 4, (h, count), (stride,)).mul(conv))  # c's columns
-        y = outputs[0]
-        for more in outputs[1:]:
-            y = y.concat(more, 1)
+            return bcx.view(begin * stride + h * 4, (h, count), (stride,)).mul(conv)  # c's columns
+
+        y = per_sequence(self.cache.spans(), convolve)
         return layer.out_proj.matmul(y).set_name(f"model.layers.{{}}.conv.out_proj-{i}")
 
     def self_attention(self, ctx: Context, layer: AttentionLayer, x: Tensor, positions: Tensor, i: int) -> Tensor:
@@ -140,25 +142,41 @@ class Lfm2(Model):
         return layer.attn_output.matmul(x).set_name(f"model.layers.{{}}.self_attn.out_proj-{i}")
 
     def forward(self, ctx: Context, batch: Batch) -> Tensor | None:
-        if batch.tokens is None:
-            raise ValueError("a text model's batch needs token ids")
-        inputs = ctx.input()
-        positions = inputs.from_numpy(batch.positions).set_name("positions")
-        h = self.weights.token_embd.rows(inputs.from_numpy(batch.tokens).set_name("tokens"))
-        outputs = inputs.from_numpy(batch.outputs).set_name("outputs") if len(batch.outputs) else None
-        last = self.blocks - 1
+        inp = inputs(ctx, batch, self.blocks)
+        h = self.weights.token_embd.rows(inp.tokens)
         for i, layer in enumerate(self.layers):
             self.cache.set_layer(i)
             x = h.rms_norm(layer.attn_norm, self.eps).set_name(f"model.layers.{{}}.operator_norm-{i}")
             if isinstance(layer, ConvLayer):
                 x = self.short_conv(ctx, layer, x, i)
             else:
-                x = self.self_attention(ctx, layer, x, positions, i)
-            if i == last:
-                if outputs is None:
-                    return None  # the states and keys are stored; nothing else is wanted
-                x, h = x.rows(outputs), h.rows(outputs)
+                x = self.self_attention(ctx, layer, x, inp.positions, i)
+            if inp.done(i):
+                return None
+            x, h = inp.rows(i, x, h)
             h = h.add(x)
             h = h.add(self.feed_forward(h.rms_norm(layer.ffn_norm, self.eps), i)).set_name(f"l_out-{i}")
-        h = h.rms_norm(self.weights.output_norm, self.eps).set_name("result_norm")
-        return self.weights.output.matmul(h).set_name("result_output")
+        return head(h, self.weights.output_norm, self.weights.output, self.eps)
+
+
+@register("lfm2moe")
+class Lfm2Moe(Lfm2):
+    """LFM2-MoE (LFM2-8B-A1B, LFM2-24B-A2B): LFM2's short convolutions and attention, with mixtures of experts.
+
+    As llama.cpp's lfm2moe (which builds lfm2's graph): the first leading_dense_block_count layers have
+    LFM2's SwiGLU FFN, the others a mixture of expert_feed_forward_length-wide SwiGLU experts routed as
+    expert_gating_func says (sigmoid in LFM2-MoE's files), picked by the probabilities plus the selection bias
+    exp_probs_b, their weights normalised to sum to 1 (models/moe.py).
+    """
+
+    def __init__(self, backend: Backend, tokenizer: Tokenizer | None):
+        super().__init__(backend, tokenizer)
+        gating = self.config.get_uint("expert_gating_func", 1)
+        if gating not in GATING:
+            raise ModelError(f"lfm2moe: expert_gating_func {gating} is not supported (1 softmax, 2 sigmoid)")
+        self.routing = Routing.from_config(self.config, GATING[gating], normalize=True)
+        self.experts = {i: bind_experts(backend, i, self.routing, self.hidden)
+                        for i in range(self.blocks) if not self.is_dense(i)}
+
+    def is_dense(self, layer: int) -> bool:
+        return layer < self.config.get_uint("leading_dense_block_count", 0)

@@ -17,14 +17,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ollama_engine.kvcache import Batch, Causal, Wrapper, attention
+from ollama_engine.kvcache import Batch, Causal, Wrapper
 from ollama_engine.ml import Backend, Context, DType, RopeOptions, Tensor
 from ollama_engine.tokenizer import Tokenizer
 
-from .base import ModelError, register, weight
-from .gemma2 import swa_layers
-from .llama import Llama
+from .base import Model, ModelError, bind, register, weight
+from .layers import Output, attend, ffn, head, heads, inputs
 from .moe import Experts, Gating, Routing, bind_experts, moe
+from .options import Options
+from .sliding import swa_layers
 
 CHUNKED, GLOBAL = 0, 1  # the Wrapper's caches, by layer type
 CHUNK = 8192  # llama.cpp's n_swa for llama4, also the temperature's floor scale
@@ -49,15 +50,18 @@ class Layer:
 
 
 @register("llama4")
-class Llama4(Llama):
-    layer_type = Layer  # type: ignore[assignment]  # dense or mixture FFN per layer
+class Llama4(Model):
     rope_options = RopeOptions(neox=False)
+    reuse_graphs = True
 
     def __init__(self, backend: Backend, tokenizer: Tokenizer | None):
         super().__init__(backend, tokenizer)
-        c, o = self.config, self.options
+        c = self.config
+        self.options = o = Options.from_config(c)
         if c.get_uint("attention.sliding_window", CHUNK) == 0:
             raise ModelError("llama4 without chunked attention (attention.sliding_window 0) is not supported")
+        self.weights = bind(Output, backend)
+        self.layers = [bind(Layer, backend, f"blk.{i}.") for i in range(o.block_count)]
         step = c.get_uint("interleave_moe_layer_step", 0)
         self.routing = Routing.from_config(c, Gating.SIGMOID, normalize=False,
                                            scale=c.get_float("expert_weights_scale", 0.0), weight_before_ffn=True)
@@ -69,8 +73,8 @@ class Llama4(Llama):
         for i, layer in enumerate(self.layers):
             mixture = step > 0 and (i + 1) % step == 0
             self.experts.append(bind_experts(backend, i, self.routing, o.hidden) if mixture else None)
-            ffn = [f"ffn_{part}{'_shexp' if mixture else ''}" for part in ("gate", "up", "down")]
-            missing = [name for name in ffn if getattr(layer, name) is None]
+            ffn_names = [f"ffn_{part}{'_shexp' if mixture else ''}" for part in ("gate", "up", "down")]
+            missing = [name for name in ffn_names if getattr(layer, name) is None]
             if missing:
                 raise ModelError(f"model is missing required tensor blk.{i}.{missing[0]}.weight")
         self.cache = Wrapper(Causal(self.shift, chunk_size=CHUNK), Causal(self.shift))
@@ -81,49 +85,47 @@ class Llama4(Llama):
         factors = self.layers[layer].rope_freqs
         return x.rope(positions, o.rope_dims, base, o.rope_scale, factors, self.rope_options)
 
-    def feed_forward(self, layer: Layer, x: Tensor, index: int) -> Tensor:
-        experts = self.experts[index]
+    def shift(self, ctx: Context, layer: int, key: Tensor, delta: Tensor) -> Tensor:
+        return self.rope(key, delta, layer)
+
+    def feed_forward(self, layer: Layer, x: Tensor, i: int) -> Tensor:
+        """A dense SwiGLU, or the mixture plus the shared expert."""
+        experts = self.experts[i]
         if experts is None:
-            return super().feed_forward(layer, x, index)
-        mixed = moe(x, experts, self.routing, index)
+            return ffn(x, layer.ffn_gate, layer.ffn_up, layer.ffn_down, i)
+        mixed = moe(x, experts, self.routing, i)
         gate = layer.ffn_gate_shexp.matmul(x)
         shared = layer.ffn_down_shexp.matmul(gate.silu(layer.ffn_up_shexp.matmul(x)))
-        shared.set_name(f"ffn_moe_shexp-{index}")
-        return mixed.add(shared).set_name(f"ffn_moe_out_merged-{index}")
+        shared.set_name(f"ffn_moe_shexp-{i}")
+        return mixed.add(shared).set_name(f"ffn_moe_out_merged-{i}")
 
     def forward(self, ctx: Context, batch: Batch) -> Tensor | None:
-        if batch.tokens is None:
-            raise ValueError("a text model's batch needs token ids")
-        o = self.options
-        inputs = ctx.input()
-        positions = inputs.from_numpy(batch.positions).set_name("positions")
-        h = self.weights.token_embd.rows(inputs.from_numpy(batch.tokens).set_name("tokens"))
-        outputs = inputs.from_numpy(batch.outputs).set_name("outputs") if len(batch.outputs) else None
+        o, w = self.options, self.weights
+        inp = inputs(ctx, batch, len(self.layers))
+        h = w.token_embd.rows(inp.tokens)
         # computed before the layers, where its few small nodes do not crowd a layer's buffers
-        temperature = self.temperature(positions) if not all(self.roped) else None
-        last = len(self.layers) - 1
+        temperature = self.temperature(inp.positions) if not all(self.roped) else None
         for i, layer in enumerate(self.layers):
             self.cache.set_layer(i)
             self.cache.set_layer_type(CHUNKED if self.chunked[i] else GLOBAL)
-            q, k, v = self.qkv(layer, h.rms_norm(layer.attn_norm, o.eps).set_name(f"attn_norm-{i}"))
+            x = h.rms_norm(layer.attn_norm, o.eps).set_name(f"attn_norm-{i}")
+            q = heads(x, layer.attn_q, None, o.head_dim, o.heads)
+            k, v = (heads(x, proj, None, o.head_dim, o.kv_heads) for proj in (layer.attn_k, layer.attn_v))
             if self.roped[i]:
-                q, k = self.rope(q, positions, i), self.rope(k, positions, i)
+                q, k = self.rope(q, inp.positions, i), self.rope(k, inp.positions, i)
             else:
                 q = q.mul(temperature)
             q, k, v = q.set_name(f"Qcur-{i}"), k.set_name(f"Kcur-{i}"), v.set_name(f"Vcur-{i}")
             if self.roped[i] and self.kq_norm:  # Llama4TextL2Norm
                 q, k = q.rms_norm(None, o.eps), k.rms_norm(None, o.eps)
-            x = attention(ctx, q, k, v, o.attention_scale, self.cache).reshape(o.head_dim * o.heads, len(batch))
-            x = layer.attn_output.matmul(x.set_name(f"kqv_out-{i}")).set_name(f"attn_out-{i}")
-            if i == last:
-                if outputs is None:
-                    return None  # the keys and values are stored; nothing else is wanted
-                x, h = x.rows(outputs), h.rows(outputs)
+            x = attend(ctx, self.cache, q, k, v, o.attention_scale, i)
+            x = layer.attn_output.matmul(x).set_name(f"attn_out-{i}")
+            if inp.done(i):
+                return None
+            x, h = inp.rows(i, x, h)
             h = x.add(h).set_name(f"ffn_inp-{i}")
-            x = self.feed_forward(layer, h.rms_norm(layer.ffn_norm, o.eps), i)
-            h = x.add(h).set_name(f"l_out-{i}")
-        h = h.rms_norm(self.weights.output_norm, o.eps).set_name("result_norm")
-        return self.weights.output.matmul(h).set_name("result_output")
+            h = self.feed_forward(layer, h.rms_norm(layer.ffn_norm, o.eps), i).add(h).set_name(f"l_out-{i}")
+        return head(h, w.output_norm, w.output, o.eps)
 
     @staticmethod
     def temperature(positions: Tensor) -> Tensor:

@@ -12,7 +12,8 @@ the previous tokens' inputs: the conv state), plus ssm_conv1d.bias, then silu; t
 (ggml_ssm_scan) runs per head with dt + ssm_dt.bias and ssm_a from the SSM state (state_size x inner_size
 per sequence); y + x * ssm_d is gated by silu(z), RMS-normed per group (ssm_norm) and projected (ssm_out).
 Each Mamba-2 layer keeps two states per sequence in the cache's row: the conv state, then the SSM state.
-Each sequence of a batch is scanned on its own (kvcache/recurrent.py).
+Each sequence of a batch is scanned on its own (kvcache/recurrent.py). Nemotron-H MoE (NemotronHMoe, below)
+replaces the MLP layers by mixtures of experts.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from ollama_engine.ml import Backend, Context, Tensor
 from ollama_engine.tokenizer import Tokenizer
 
 from .base import Model, ModelError, bind, register, require_uint, weight
+from .layers import Output, head, inputs, linear, per_sequence
+from .moe import Gating, Routing, bind_experts, moe
 
 
 @dataclass
@@ -65,13 +68,6 @@ class MlpLayer:
     down_bias: Tensor | None = weight("ffn_down.bias", optional=True)
 
 
-@dataclass
-class Weights:
-    token_embd: Tensor = weight("token_embd.weight")
-    output_norm: Tensor = weight("output_norm.weight")
-    output: Tensor | None = weight("output.weight", optional=True)  # tied to token_embd where absent
-
-
 def per_layer(config: Config, key: str, blocks: int) -> list[int]:
     """A per-layer count: an array of one entry per layer, or one number for all."""
     value = config.value(key)
@@ -79,10 +75,6 @@ def per_layer(config: Config, key: str, blocks: int) -> list[int]:
     if len(values) != blocks:
         raise ModelError(f"nemotron_h: {key} has {len(values)} entries for {blocks} layers")
     return values
-
-
-def add(x: Tensor, bias: Tensor | None) -> Tensor:
-    return x if bias is None else x.add(bias)
 
 
 @register("nemotron_h")
@@ -116,7 +108,7 @@ class NemotronH(Model):
         eps = c.get_float("attention.layer_norm_epsilon", 1e-5)
         self.eps = c.get_float("attention.layer_norm_rms_epsilon", eps)
         self.kq_scale = c.get_float("attention.scale", 0.0) or (1.0 / math.sqrt(self.head_dim or 1))
-        self.weights = bind(Weights, backend)
+        self.weights = bind(Output, backend)
         self.layers: list[MambaLayer | AttentionLayer | MlpLayer] = [
             bind(self.layer_class(i), backend, f"blk.{i}.") for i in range(self.blocks)]
         self.channels = self.d_inner + 2 * self.groups * self.d_state  # xBC
@@ -141,8 +133,8 @@ class NemotronH(Model):
         head_dim = d_inner // heads
         zxbcdt = layer.ssm_in.matmul(x)
         stride = zxbcdt.strides[1]
-        outputs = []
-        for s, (begin, count) in enumerate(self.cache.spans()):
+
+        def scan(s: int, begin: int, count: int) -> Tensor:
             at = begin * stride
             z = zxbcdt.view(at, (head_dim, heads, count, 1), (head_dim * 4, stride, stride * count))
             xbc = zxbcdt.view(at + d_inner * 4, (channels, count), (stride,))
@@ -150,7 +142,9 @@ class NemotronH(Model):
             conv_state = self.cache.state(ctx, i, s, 0).reshape(d_conv, channels)
             conv_x = conv_state.concat(xbc.transpose(), 0)  # (d_conv + count, channels)
             new_conv = conv_x.view(count * 4, (d_conv, channels), (conv_x.strides[1],))
-            xbc = add(conv_x.reshape(d_conv + count, channels, 1).ssm_conv(layer.ssm_conv1d), layer.ssm_conv1d_b)
+            xbc = conv_x.reshape(d_conv + count, channels, 1).ssm_conv(layer.ssm_conv1d)
+            if layer.ssm_conv1d_b is not None:
+                xbc = xbc.add(layer.ssm_conv1d_b)
             xbc = xbc.silu()  # (channels, count, 1)
             row = xbc.strides[1]
             xs = xbc.view(0, (head_dim, heads, count, 1), (head_dim * 4, row, row * count))
@@ -163,35 +157,29 @@ class NemotronH(Model):
             y = scanned.view(0, (head_dim, heads, count, 1), (head_dim * 4, d_inner * 4, d_inner * count * 4))
             y = y.add(xs.mul(layer.ssm_d)).set_name(f"mamba2_y_add_d-{i}")
             y = z.contiguous().silu(y)
-            outputs.append(y.reshape(d_inner // groups, groups, count).rms_norm(layer.ssm_norm, self.eps)
-                           .reshape(d_inner, count))
-        y = outputs[0]
-        for more in outputs[1:]:
-            y = y.concat(more, 1)
+            y = y.reshape(d_inner // groups, groups, count).rms_norm(layer.ssm_norm, self.eps)
+            return y.reshape(d_inner, count)
+
+        y = per_sequence(self.cache.spans(), scan)
         return layer.ssm_out.matmul(y)
 
     def self_attention(self, ctx: Context, layer: AttentionLayer, x: Tensor, i: int) -> Tensor:
         n, d, heads, kv = x.ne[1], self.head_dim, self.heads[i], self.kv_heads[i]
-        q = add(layer.attn_q.matmul(x), layer.q_bias).reshape(d, heads, n).set_name(f"Qcur-{i}")
-        k = add(layer.attn_k.matmul(x), layer.k_bias).reshape(d, kv, n).set_name(f"Kcur-{i}")
-        v = add(layer.attn_v.matmul(x), layer.v_bias).reshape(d, kv, n).set_name(f"Vcur-{i}")
+        q = linear(x, layer.attn_q, layer.q_bias).reshape(d, heads, n).set_name(f"Qcur-{i}")
+        k = linear(x, layer.attn_k, layer.k_bias).reshape(d, kv, n).set_name(f"Kcur-{i}")
+        v = linear(x, layer.attn_v, layer.v_bias).reshape(d, kv, n).set_name(f"Vcur-{i}")
         x = attention(ctx, q, k, v, self.kq_scale, self.cache).reshape(d * heads, n)
-        return add(layer.attn_output.matmul(x), layer.output_bias).set_name(f"attn_out-{i}")
+        return linear(x, layer.attn_output, layer.output_bias).set_name(f"attn_out-{i}")
 
     def mlp(self, layer: MlpLayer, x: Tensor, i: int) -> Tensor:
-        up = add(layer.ffn_up.matmul(x), layer.up_bias).relu().sqr()
+        up = linear(x, layer.ffn_up, layer.up_bias).relu().sqr()
         # llama.cpp names this ffn_out, then (its control vector applied) l_out
-        return add(layer.ffn_down.matmul(up), layer.down_bias).set_name(f"l_out-{i}")
+        return linear(up, layer.ffn_down, layer.down_bias).set_name(f"l_out-{i}")
 
     def forward(self, ctx: Context, batch: Batch) -> Tensor | None:
-        if batch.tokens is None:
-            raise ValueError("a text model's batch needs token ids")
-        inputs = ctx.input()
-        h = self.weights.token_embd.rows(inputs.from_numpy(batch.tokens).set_name("tokens"))
-        outputs = inputs.from_numpy(batch.outputs).set_name("outputs") if len(batch.outputs) else None
-        inputs.from_numpy(batch.positions).set_name("positions")  # unused (no RoPE), but a reused graph sets it
-        ids = inputs.from_numpy(np.zeros(1, dtype=np.int32)).set_name("ssm_ids")  # the one state slot scanned
-        last = self.blocks - 1
+        inp = inputs(ctx, batch, self.blocks)  # positions unused (no RoPE), but a reused graph sets them
+        ids = ctx.input().from_numpy(np.zeros(1, dtype=np.int32)).set_name("ssm_ids")  # the one state slot scanned
+        h = self.weights.token_embd.rows(inp.tokens)
         for i, layer in enumerate(self.layers):
             self.cache.set_layer(i)
             x = h.rms_norm(layer.attn_norm, self.eps).set_name(f"attn_norm-{i}")
@@ -201,11 +189,53 @@ class NemotronH(Model):
                 x = self.self_attention(ctx, layer, x, i)
             else:
                 x = self.mlp(layer, x, i)
-            if i == last:
-                if outputs is None:
-                    return None  # the states and keys are stored; nothing else is wanted
-                x, h = x.rows(outputs), h.rows(outputs)
+            if inp.done(i):
+                return None
+            x, h = inp.rows(i, x, h)
             h = x.add(h).set_name(f"nemotron_h_block_out-{i}")
-        h = h.rms_norm(self.weights.output_norm, self.eps).set_name("result_norm")
-        output = self.weights.output if self.weights.output is not None else self.weights.token_embd
-        return output.matmul(h).set_name("result_output")
+        return head(h, self.weights.output_norm, self.weights.output, self.eps)
+
+
+@dataclass
+class MoeLayer:
+    attn_norm: Tensor = weight("attn_norm.weight")
+    up_shexp: Tensor = weight("ffn_up_shexp.weight")
+    down_shexp: Tensor = weight("ffn_down_shexp.weight")
+
+
+def relu_squared(up: Tensor, gate: Tensor | None) -> Tensor:
+    return up.relu().sqr()
+
+
+@register("nemotron_h_moe")
+class NemotronHMoe(NemotronH):
+    """Nemotron-H MoE (Nemotron 3 Nano, Super): Nemotron-H's Mamba-2 and attention layers, with its MLP
+    layers replaced by mixtures of experts.
+
+    As llama.cpp's nemotron_h_moe (which builds nemotron_h's graph): every layer that is neither Mamba-2 nor
+    attention routes each token to expert_used_count of expert_count ungated ReLU² experts
+    (expert_feed_forward_length wide) by sigmoid probabilities plus the selection bias exp_probs_b, their
+    weights normalised where expert_weights_norm says and scaled by expert_weights_scale (models/moe.py), and
+    adds a shared ReLU² expert (expert_shared_feed_forward_length wide). The latent projections of Nemotron 3
+    Super (moe_latent_size), per-layer expert counts and the multi-token-prediction blocks are refused, not run.
+    """
+
+    def __init__(self, backend: Backend, tokenizer: Tokenizer | None):
+        c = backend.model.config if backend.model is not None else None
+        for key in ("moe_latent_size", "nextn_predict_layers"):
+            if c is not None and c.get_uint(key, 0):
+                raise ModelError(f"nemotron_h_moe: {key} {c.get_uint(key)} is not supported yet")
+        super().__init__(backend, tokenizer)
+        self.routing = Routing.from_config(self.config, Gating.SIGMOID, self.config.get_bool("expert_weights_norm"),
+                                           self.config.get_float("expert_weights_scale", 1.0))
+        self.experts = {i: bind_experts(backend, i, self.routing, self.hidden, gated=False)
+                        for i, layer in enumerate(self.layers) if isinstance(layer, MoeLayer)}
+
+    def layer_class(self, layer: int) -> type:
+        cls = super().layer_class(layer)
+        return MoeLayer if cls is MlpLayer else cls
+
+    def mlp(self, layer: MoeLayer, x: Tensor, i: int) -> Tensor:  # type: ignore[override]
+        routed = moe(x, self.experts[i], self.routing, i, relu_squared)
+        shared = layer.down_shexp.matmul(layer.up_shexp.matmul(x).relu().sqr()).set_name(f"ffn_shexp-{i}")
+        return routed.add(shared).set_name(f"l_out-{i}")

@@ -26,8 +26,8 @@ from ollama_engine.ml import Backend, Context, RopeOptions, Tensor
 from ollama_engine.tokenizer import Tokenizer
 
 from .base import Model, bind, register, weight
-from .bert import Bert, Options, Pooling
 from .moe import Gating, Routing, bind_experts, moe
+from .pooling import Options, Pooling, pool
 
 
 @dataclass
@@ -70,11 +70,11 @@ class Weights:
 
 
 @register("nomic-bert", "nomic-bert_embed")
-class NomicBert(Bert):
+class NomicBert(Model):
     rope_options = RopeOptions(neox=True)
 
     def __init__(self, backend: Backend, tokenizer: Tokenizer | None):
-        Model.__init__(self, backend, tokenizer)  # not Bert's: its weights (a position table) differ
+        super().__init__(backend, tokenizer)
         self.options = Options.from_config(self.config)
         self.rope_base = self.config.get_float("rope.freq_base", 10000.0)
         self.rope_dims = self.config.get_uint("rope.dimension_count", self.options.head_dim)
@@ -117,7 +117,7 @@ class NomicBert(Bert):
         h.set_name("result_embd")
         if o.pooling == Pooling.NONE:
             return h
-        h = self.pool(h).set_name("result_embd_pooled")
+        h = pool(h, o).set_name("result_embd_pooled")
         return h.l2_norm(1e-12) if o.normalize else h
 
     def qkv(self, layer: Layer, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
-from ollama_engine.ml import Backend, RopeOptions, Tensor
+from ollama_engine.kvcache import Batch, Causal
+from ollama_engine.ml import Backend, Context, RopeOptions, Tensor
 from ollama_engine.tokenizer import Tokenizer
 
-from .base import ModelError, register, weight
-from .llama import Llama
+from .base import Model, ModelError, bind, register, weight
+from .layers import Output, attend, f32_reciprocal_sqrt, fused_heads, head, heads, inputs
+from .options import Options
 
 
 @dataclass
@@ -41,25 +41,28 @@ class Phi3Layer:
 
 
 @register("phi3")
-class Phi3(Llama):
-    layer_type = Phi3Layer
+class Phi3(Model):
+    reuse_graphs = True
 
     def __init__(self, backend: Backend, tokenizer: Tokenizer | None):
-        if backend.model is not None and backend.model.config.get_uint("expert_count", 0) > 0:
-            raise ModelError("unknown model architecture: mixture-of-experts phi3 (phimoe)")
         super().__init__(backend, tokenizer)
+        c = self.config
+        if c.get_uint("expert_count", 0) > 0:
+            raise ModelError("unknown model architecture: mixture-of-experts phi3 (phimoe)")
+        self.options = o = Options.from_config(c)
+        self.weights = bind(Output, backend)
+        self.layers = [bind(Phi3Layer, backend, f"blk.{i}.") for i in range(o.block_count)]
         for i, layer in enumerate(self.layers):
             if layer.attn_qkv is None and None in (layer.attn_q, layer.attn_k, layer.attn_v):
                 raise ModelError(f"model is missing required tensor blk.{i}.attn_qkv.weight (or attn_q/k/v)")
-        c = self.config
         # llama.cpp's n_ctx_orig_yarn: compared with a sequence's context to choose the factors
         self.original_context = c.get_uint("rope.scaling.original_context_length", c.get_uint("context_length", 0))
         self.rope_options = RopeOptions(
             neox=True, original_context=self.original_context,
             attention_factor=c.get_float("rope.scaling.attn_factor", 1.0),
         )
-        # 1.0f / sqrtf(head_dim) in float32, as llama.cpp computes it
-        self.query_scale = float(np.float32(1) / np.sqrt(np.float32(self.options.head_dim)))
+        self.query_scale = f32_reciprocal_sqrt(o.head_dim)
+        self.cache = Causal(self.shift)
 
     def rope(self, x: Tensor, positions: Tensor, layer: int) -> Tensor:
         """RoPE with the long factors where a sequence's context (the cache's, padded as llama.cpp's) exceeds
@@ -69,25 +72,38 @@ class Phi3(Llama):
         factors = weights.rope_factors_long if long else weights.rope_factors_short
         return x.rope(positions, o.rope_dims, o.rope_base, o.rope_scale, factors, self.rope_options)
 
+    def shift(self, ctx: Context, layer: int, key: Tensor, delta: Tensor) -> Tensor:
+        return self.rope(key, delta, layer)
+
     def qkv(self, layer: Phi3Layer, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        if layer.attn_qkv is None:
-            return super().qkv(layer, x)  # type: ignore[arg-type]
-        o, n = self.options, x.ne[1]
-        qkv = layer.attn_qkv.matmul(x)
-        element, row = qkv.strides[0], qkv.strides[1]
-        head = o.head_dim * element
+        o = self.options
+        if layer.attn_qkv is not None:
+            return fused_heads(layer.attn_qkv.matmul(x), o.head_dim, o.heads, o.kv_heads)
+        return (heads(x, layer.attn_q, None, o.head_dim, o.heads), heads(x, layer.attn_k, None, o.head_dim, o.kv_heads),
+                heads(x, layer.attn_v, None, o.head_dim, o.kv_heads))
 
-        def heads(first: int, count: int) -> Tensor:  # views of the fused rows, as llama.cpp's build_qkv
-            return qkv.view(first * head, (o.head_dim, count, n), (head, row))
+    def forward(self, ctx: Context, batch: Batch) -> Tensor | None:
+        o, w = self.options, self.weights
+        inp = inputs(ctx, batch, len(self.layers))
+        h = w.token_embd.rows(inp.tokens).set_name("embd")
+        for i, layer in enumerate(self.layers):
+            self.cache.set_layer(i)
+            q, k, v = self.qkv(layer, h.rms_norm(layer.attn_norm, o.eps).set_name(f"attn_norm-{i}"))
+            q = self.rope(q, inp.positions, i).scale(self.query_scale).set_name(f"Qcur-{i}")
+            k = self.rope(k, inp.positions, i).set_name(f"Kcur-{i}")
+            x = attend(ctx, self.cache, q, k, v.set_name(f"Vcur-{i}"), 1.0, i)
+            if inp.done(i):
+                return None
+            x, h = inp.rows(i, x, h)
+            h = layer.attn_output.matmul(x).set_name(f"attn_out-{i}").add(h).set_name(f"ffn_inp-{i}")
+            x = self.feed_forward(layer, h.rms_norm(layer.ffn_norm, o.eps).set_name(f"ffn_norm-{i}"), i)
+            h = x.set_name(f"ffn_out-{i}").add(h).set_name(f"l_out-{i}")
+        return head(h, w.output_norm, w.output, o.eps)
 
-        return heads(0, o.heads), heads(o.heads, o.kv_heads), heads(o.heads + o.kv_heads, o.kv_heads).contiguous()
-
-    def query(self, q: Tensor, layer: int) -> tuple[Tensor, float]:
-        return q.scale(self.query_scale).set_name(f"Qcur-{layer}"), 1.0
-
-    def feed_forward(self, layer: Phi3Layer, x: Tensor, index: int) -> Tensor:  # type: ignore[override]
+    @staticmethod
+    def feed_forward(layer: Phi3Layer, x: Tensor, i: int) -> Tensor:
         """SwiGLU of the fused gate/up rows: ffn_down(silu(first half) * second half)."""
-        up = layer.ffn_up.matmul(x).set_name(f"ffn_up-{index}")
+        up = layer.ffn_up.matmul(x).set_name(f"ffn_up-{i}")
         width, n, row = up.ne[0] // 2, up.ne[1], up.strides[1]
         gate, up = up.view(0, (width, n), (row,)), up.view(width * up.strides[0], (width, n), (row,))
-        return layer.ffn_down.matmul(gate.silu(up).set_name(f"ffn_swiglu-{index}"))
+        return layer.ffn_down.matmul(gate.silu(up).set_name(f"ffn_swiglu-{i}"))

@@ -16,7 +16,8 @@ Full attention: attn_q yields per head a query and a gate; per-head q/k RMS norm
 rope.dimension_count dims; the attention's output times sigmoid(gate) goes through attn_output.
 FFN: softmax-routed SwiGLU experts (weights normalised) plus a SwiGLU shared expert scaled by
 sigmoid(ffn_gate_inp_shexp · x); a plain SwiGLU where a layer has no router. Each sequence of a batch
-is convolved and scanned on its own (kvcache/recurrent.py). The MTP blocks are refused, not run.
+is convolved and scanned on its own (kvcache/recurrent.py). The MTP blocks are refused, not run. Qwen3.5
+(Qwen35, below) builds the same layers as llama.cpp's qwen35 graphs do.
 """
 
 from __future__ import annotations
@@ -24,11 +25,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ollama_engine.kvcache import Batch, Recurrent, attention
+import numpy as np
+
+from ollama_engine.kvcache import Batch, Recurrent
 from ollama_engine.ml import Backend, Context, RopeOptions, Tensor
 from ollama_engine.tokenizer import Tokenizer
 
 from .base import Model, ModelError, bind, register, require_uint, weight
+from .layers import Dense, Output, attend, ffn, head, inputs, per_sequence
 from .moe import Gating, Routing, bind_experts, moe
 
 
@@ -70,20 +74,6 @@ class SharedExpert:
     down: Tensor | None = weight("ffn_down_shexp.weight", optional=True)
 
 
-@dataclass
-class Dense:
-    ffn_gate: Tensor = weight("ffn_gate.weight")
-    ffn_up: Tensor = weight("ffn_up.weight")
-    ffn_down: Tensor = weight("ffn_down.weight")
-
-
-@dataclass
-class Weights:
-    token_embd: Tensor = weight("token_embd.weight")
-    output_norm: Tensor = weight("output_norm.weight")
-    output: Tensor | None = weight("output.weight", optional=True)  # tied to token_embd where absent
-
-
 @register("qwen3next")
 class Qwen3Next(Model):
     reuse_graphs = True
@@ -118,7 +108,7 @@ class Qwen3Next(Model):
         interval = c.get_uint("full_attention_interval", 4) or 4
         self.recurrent = recurrent if len(recurrent) >= self.blocks else [
             (i + 1) % interval != 0 for i in range(self.blocks)]
-        self.weights = bind(Weights, backend)
+        self.weights = bind(Output, backend)
         self.layers: list[LinearLayer | AttentionLayer] = [
             bind(LinearLayer if self.recurrent[i] else AttentionLayer, backend, f"blk.{i}.")
             for i in range(self.blocks)]
@@ -142,8 +132,8 @@ class Qwen3Next(Model):
         z = layer.gate.matmul(x)
         gates, betas = self.gates(layer, x)
         stride, z_stride = qkv.strides[1], z.strides[1]
-        outputs = []
-        for s, (begin, count) in enumerate(self.cache.spans()):
+
+        def scan(s: int, begin: int, count: int) -> Tensor:
             at, strides = begin * vh * 4, (4, vh * 4, vh * count * 4)
             beta, gate = (t.view(at, (1, vh, count, 1), strides) for t in (betas, gates))
             conv_state = self.cache.state(ctx, i, s, 0).reshape(d_conv, channels)
@@ -160,10 +150,9 @@ class Qwen3Next(Model):
             self.cache.update(ctx, i, s, [new_conv, result.view(kd * vh * count * 4, (kd * kd * vh,))])
             out = result.view(0, (kd, vh, count), (kd * 4, kd * vh * 4)).rms_norm(layer.ssm_norm, self.eps)
             gated = z.view(begin * z_stride, (self.d_inner, count)).reshape(kd, vh, count).silu()
-            outputs.append(out.mul(gated).reshape(self.d_inner, count))
-        y = outputs[0]
-        for more in outputs[1:]:
-            y = y.concat(more, 1)
+            return out.mul(gated).reshape(self.d_inner, count)
+
+        y = per_sequence(self.cache.spans(), scan)
         return layer.ssm_out.matmul(y).set_name(f"linear_attn_out-{i}")
 
     def gates(self, layer: LinearLayer, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -204,14 +193,14 @@ class Qwen3Next(Model):
         k = layer.attn_k.matmul(x).reshape(d, self.kv_heads, n).rms_norm(layer.attn_k_norm, self.eps)
         v = layer.attn_v.matmul(x).reshape(d, self.kv_heads, n)
         q, k = self.rope(q, positions), self.rope(k, positions)
-        out = attention(ctx, q, k, v, 1.0 / math.sqrt(d), self.cache).reshape(d * heads, n)
+        out = attend(ctx, self.cache, q, k, v, 1.0 / math.sqrt(d), i)
         out = out.mul(gate.contiguous(d * heads, n).sigmoid())
         return layer.attn_output.matmul(out).set_name(f"attn_output-{i}")
 
     def feed_forward(self, x: Tensor, i: int) -> Tensor:
         if i in self.dense:
-            ffn = self.dense[i]
-            return ffn.ffn_down.matmul(ffn.ffn_gate.matmul(x).silu(ffn.ffn_up.matmul(x)))
+            dense = self.dense[i]
+            return ffn(x, dense.ffn_gate, dense.ffn_up, dense.ffn_down, i)
         assert self.routing is not None
         out = moe(x, self.experts[i], self.routing, i)
         shared = self.shared[i]
@@ -223,14 +212,9 @@ class Qwen3Next(Model):
         return out.add(expert)
 
     def forward(self, ctx: Context, batch: Batch) -> Tensor | None:
-        if batch.tokens is None:
-            raise ValueError("a text model's batch needs token ids")
-        inputs = ctx.input()
-        positions = inputs.from_numpy(batch.positions).set_name("positions")
-        h = self.weights.token_embd.rows(inputs.from_numpy(batch.tokens).set_name("tokens"))
-        outputs = inputs.from_numpy(batch.outputs).set_name("outputs") if len(batch.outputs) else None
-        positions = self.rope_positions(ctx, batch, positions)
-        last = self.blocks - 1
+        inp = inputs(ctx, batch, self.blocks)
+        h = self.weights.token_embd.rows(inp.tokens)
+        positions = self.rope_positions(ctx, batch, inp.positions)
         for i, layer in enumerate(self.layers):
             self.cache.set_layer(i)
             x = h.rms_norm(layer.attn_norm, self.eps).set_name(f"attn_norm-{i}")
@@ -238,13 +222,55 @@ class Qwen3Next(Model):
                 x = self.delta_net(ctx, layer, x, i)
             else:
                 x = self.self_attention(ctx, layer, x, positions, i)
-            if i == last:
-                if outputs is None:
-                    return None  # the states and keys are stored; nothing else is wanted
-                x, h = x.rows(outputs), h.rows(outputs)
+            if inp.done(i):
+                return None
+            x, h = inp.rows(i, x, h)
             h = x.add(h).set_name(f"attn_residual-{i}")
-            ffn = self.feed_forward(h.rms_norm(layer.post_norm, self.eps).set_name(f"attn_post_norm-{i}"), i)
-            h = ffn.add(h).set_name(f"l_out-{i}")
-        h = h.rms_norm(self.weights.output_norm, self.eps).set_name("result_norm")
-        output = self.weights.output if self.weights.output is not None else self.weights.token_embd
-        return output.matmul(h).set_name("result_output")
+            x = self.feed_forward(h.rms_norm(layer.post_norm, self.eps).set_name(f"attn_post_norm-{i}"), i)
+            h = x.add(h).set_name(f"l_out-{i}")
+        return head(h, self.weights.output_norm, self.weights.output, self.eps)
+
+
+def text_positions(positions: np.ndarray) -> np.ndarray:
+    """A text token's 4 multimodal position components, component-major: p, p, p, 0."""
+    positions = np.asarray(positions, dtype=np.int32)
+    return np.concatenate([positions, positions, positions, np.zeros_like(positions)])
+
+
+@register("qwen35", "qwen35moe")
+class Qwen35(Qwen3Next):
+    """Qwen3.5 (qwen35, dense; qwen35moe, mixtures): Qwen3-Next's layers as llama.cpp's qwen35 graphs build them.
+
+    Three differences from Qwen3Next (above): beta and alpha come from two projections
+    (ssm_beta, ssm_alpha) instead of one interleaved per key head; with fewer key heads than value heads,
+    value head h reads key head h mod key heads (the fused ggml_gated_delta_net's own broadcast, where
+    Qwen3-Next repeats each key head for its value heads in turn); and the attention layers rotate by
+    interleaved multimodal RoPE (rope.dimension_sections; a text token's position in its first three
+    components, 0 in the fourth, as llama.cpp fills them). qwen35's FFN is a SwiGLU, qwen35moe's Qwen3-Next's
+    mixture with its gated shared expert.
+    """
+
+    def __init__(self, backend: Backend, tokenizer: Tokenizer | None):
+        super().__init__(backend, tokenizer)
+        sections = self.config.get_ints("rope.dimension_sections")
+        sections = (sections + [0] * 4)[:4]
+        if not any(sections) or min(sections) < 0 or sum(sections) > self.n_rot // 2:
+            raise ModelError(f"{self.config.architecture}: rope.dimension_sections {sections} must be 4 (or fewer) "
+                             f"non-negative counts of rotated pairs, at most {self.n_rot // 2} in all")
+        self.sections = sections
+
+    def for_value_heads(self, t: Tensor) -> Tensor:
+        return t  # ggml_gated_delta_net broadcasts key heads to value heads in qwen35's order
+
+    def rope(self, t: Tensor, positions: Tensor) -> Tensor:
+        return t.rope_multi(positions, self.n_rot, self.sections, self.rope_base)
+
+    def rope_positions(self, ctx: Context, batch: Batch, positions: Tensor) -> Tensor:
+        return ctx.input().from_numpy(text_positions(batch.positions)).set_name("mrope_positions")
+
+    def batch_inputs(self, batch: Batch) -> dict[str, np.ndarray]:
+        return {"mrope_positions": text_positions(batch.positions)}
+
+    def shift(self, ctx: Context, layer: int, key: Tensor, delta: Tensor) -> Tensor:
+        raise ModelError("qwen35: keys rotated by multimodal RoPE are not shifted (the recurrent layers refuse "
+                         "a shift first)")

@@ -197,9 +197,8 @@ def test_real_gemma3_context_shift_matches_llama_cpp(gemma3_path):
 
 def gemma_options(arch: str, **keys):
     from ollama_engine.fs import Config
-    from ollama_engine.models.gemma2 import Gemma2
-    from ollama_engine.models.gemma3 import Gemma3
-    from ollama_engine.models.llama import Options
+    from ollama_engine.models.gemma2 import Gemma2, Gemma3
+    from ollama_engine.models.options import Options
 
     base = {"embedding_length": 640, "block_count": 6, "attention.head_count": 4, "attention.key_length": 256}
     config = Config({"general.architecture": arch, **{f"{arch}.{k}": v for k, v in {**base, **keys}.items()}})

@@ -17,7 +17,7 @@ from ollama_engine import diff
 from ollama_engine.fs.synthetic import write_synthetic
 from ollama_engine.kvcache import Batch, Wrapper, cache_dtype
 from ollama_engine.models import load_model
-from ollama_engine.models.olmo3 import Olmo3
+from ollama_engine.models.olmo2 import Olmo3
 from ollama_engine.runner.allocate import LoadParams
 
 PROMPTS = ("In a small village by the sea, there lived", "Once upon a time there was a king who ruled")

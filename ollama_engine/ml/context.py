@@ -157,6 +157,10 @@ class Context:
             raise ShapeError(f"{raw.nbytes} bytes of data for input {tensor!r} of {tensor.nbytes} bytes")
         self._inputs[tensor.handle] = raw
 
+    def input_values(self) -> dict[str, bytes]:
+        """Every graph input's name and the bytes it will be given at the next compute (unnamed ones as "")."""
+        return {ggml.get_name(handle): raw.tobytes() for handle, raw in self._inputs.items()}
+
     def input_named(self, name: str) -> Tensor | None:
         """The graph input given this name with set_name(), or None."""
         if name not in self._named or self._named[name].handle not in self._inputs:
