@@ -338,6 +338,21 @@ def test_cached_tokens_reported_on_a_prompt_cache_hit(client: openai.OpenAI):
     assert details is not None and 0 < details.cached_tokens < second.usage.prompt_tokens
 
 
+def test_completions_report_cached_tokens_too(client: openai.OpenAI):
+    """/v1/completions sends usage.prompt_tokens_details.cached_tokens as chat completions does, streamed or not."""
+    prompt = "The lighthouse keeper counted the ships that passed"
+    first = client.completions.create(model="smollm2", prompt=prompt, temperature=0, max_tokens=6)
+    prompt += first.choices[0].text + " and"
+    second = client.completions.create(model="smollm2", prompt=prompt, temperature=0, max_tokens=2)
+    details = second.usage.prompt_tokens_details
+    assert details is not None and 0 < details.cached_tokens < second.usage.prompt_tokens
+    stream = client.completions.create(model="smollm2", prompt=prompt + " then", temperature=0, max_tokens=2,
+                                       stream=True, stream_options={"include_usage": True})
+    (streamed,) = [chunk.usage for chunk in stream if chunk.usage is not None]
+    assert streamed.prompt_tokens_details is not None
+    assert 0 < streamed.prompt_tokens_details.cached_tokens < streamed.prompt_tokens
+
+
 def test_logit_bias_forces_and_bans_tokens(client: openai.OpenAI, server: str, smollm2_path: Path):
     from ollama_engine.api.catalog import GGUFView
 

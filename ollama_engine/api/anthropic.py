@@ -28,8 +28,8 @@ from typing import Any
 
 from aiohttp import web
 
-from .chat import ChatRoutes, collect_chat
-from .completion import Chunks, Job, first_chunk, runner_chunks
+from .chat import ChatRoutes, Prepared, collect_chat
+from .completion import Chunks, Job, collected, first_chunk, runner_chunks
 from .native import ApiError, json_response, read_json
 from .stop_sequences import Outcome, stopped_lines
 from .thinking_budget import budgeted_lines
@@ -393,15 +393,16 @@ class AnthropicRoutes:
     def __init__(self, chat: ChatRoutes) -> None:
         self.chat = chat
 
-    async def _prepare(self, body: Mapping[str, Any], counting: bool = False) -> tuple[Job, dict[str, Any], Plan]:
+    async def _prepare(self, body: Mapping[str, Any], counting: bool = False) -> tuple[Job, Prepared, Plan]:
         native, plan = chat_request(body, counting=counting)
         entry = self.chat.entry(native["model"], missing_status=400)
         if plan.effort and "think" not in native and "thinking" in entry.capabilities:
             native["think"] = plan.effort  # effort asks for care, not for thinking: dropped where none is
-        _, job, state = await self.chat.prepare_chat(native)
+        prepared = await self.chat.prepare_chat(native)
+        job = prepared.job
         assert job is not None  # messages are never empty here
         job.prompt += plan.prefill  # after the template's opening of the assistant turn, whatever the model
-        return job, state, plan
+        return job, prepared, plan
 
     def _lines(self, job: Job, plan: Plan, input_tokens: int, outcome: Outcome) -> Chunks:
         """The runner lines for the chat chunks: with the thinking budget and the stop sequences applied."""
@@ -416,7 +417,7 @@ class AnthropicRoutes:
     async def messages(self, request: web.Request) -> web.StreamResponse:
         try:
             body = await read_json(request)
-            job, state, plan = await self._prepare(body)
+            job, prepared, plan = await self._prepare(body)
             # message_start and a cut at a stop sequence report the prompt's tokens before the runner does
             needed = body.get("stream") or plan.stop_sequences
             input_tokens = await asyncio.to_thread(prompt_tokens, job) if needed else 0
@@ -427,15 +428,14 @@ class AnthropicRoutes:
             job.extra.setdefault("TopLogprobs", 0)
         outcome = Outcome()
         lines = self._lines(job, plan, input_tokens, outcome)
-        chunks = self.chat.chat_chunks(job, state["tools"], state["think"], source=lines)
+        chunks = self.chat.chat_chunks(job, prepared.tools, prepared.think, source=lines)
         ident, model = message_id(), str(body["model"])
         if not body.get("stream"):
-            async with aclosing(chunks):
-                try:
-                    collected = [chunk async for chunk in chunks]
-                except ApiError as err:
-                    return anthropic_error(err)
-            return json_response(message_response(ident, model, collect_chat(collected), outcome))
+            try:
+                final = await collected(chunks, collect_chat)
+            except ApiError as err:
+                return anthropic_error(err)
+            return json_response(message_response(ident, model, final, outcome))
         return await self._stream(request, message_events(chunks, ident, model, input_tokens, outcome))
 
     async def _stream(self, request: web.Request, events: AsyncIterator[dict[str, Any]]) -> web.StreamResponse:

@@ -10,13 +10,14 @@ from __future__ import annotations
 import asyncio
 import secrets
 import string
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import aclosing
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
-from ollama_engine.sched import Context, Scheduler
+from ollama_engine.sched import Context, Options, Scheduler
 from ollama_engine.template import ToolCallStream
 
 from .catalog import Catalog, Entry, ModelNotFoundError
@@ -41,6 +42,55 @@ _ID_CHARS = string.ascii_lowercase + string.digits
 def tool_call_id() -> str:
     """call_ and 8 characters of [a-z0-9], as Ollama makes them."""
     return "call_" + "".join(secrets.choice(_ID_CHARS) for _ in range(8))
+
+
+@dataclass
+class Prepared:
+    """A checked chat or generate request: what to run, and what shaping its chunks needs."""
+
+    entry: Entry
+    job: Job | None  # None: empty messages / prompt, which only load or unload the model
+    opts: Options
+    keep_alive: float | None
+    think: bool | None
+    tools: list[dict[str, Any]] | None = None
+    raw: bool = False  # generate's raw mode: no `context` in the final chunk
+
+
+@dataclass
+class Piece:
+    """One step of the runner's output split for the API: thinking, content and tool calls apart."""
+
+    content: str = ""
+    thinking: str = ""
+    logprobs: list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    final: Mapping[str, Any] | None = None  # the runner's done line; set on the last piece alone
+
+
+async def pieces(job: Job, think: bool | None, tools: Sequence[Mapping[str, Any]] | None,
+                 source: Chunks) -> AsyncIterator[Piece]:
+    """The runner's lines as Pieces: what chat and generate both shape into their own chunks."""
+    thinking = ThinkingSplitter(bool(think) and "thinking" in job.entry.capabilities)
+    calls = ToolCallStream(tools) if tools else None
+    async with aclosing(source) as raw:
+        async for chunk in raw:
+            if chunk.get("done"):
+                thought, content = thinking.finish()
+                found: list[dict[str, Any]] = []
+                if calls is not None:
+                    content = calls.feed(content) if content else ""
+                    rest, found = calls.finish()
+                    content += rest
+                if thought or content or found:
+                    yield Piece(content, thought, tool_calls=found)
+                yield Piece(final=chunk)
+                return
+            thought, content = thinking.feed(chunk.get("content", ""))
+            if calls is not None and content:
+                content = calls.feed(content)
+            if thought or content or chunk.get("logprobs"):
+                yield Piece(content, thought, chunk.get("logprobs"))
 
 
 class ChatRoutes:
@@ -76,8 +126,8 @@ class ChatRoutes:
 
     # ------------------------------------------------------------ /api/chat
 
-    async def prepare_chat(self, body: Mapping[str, Any]) -> tuple[Entry, Job | None, dict[str, Any]]:
-        """Validate a chat request: (entry, job or None for load/unload, state for the chunks)."""
+    async def prepare_chat(self, body: Mapping[str, Any]) -> Prepared:
+        """Validate a chat request and render its prompt."""
         entry = self.entry(body.get("model"), missing_status=400)
         if "completion" not in entry.capabilities:
             raise ApiError(400, f'"{entry.requested}" does not support chat')
@@ -94,24 +144,24 @@ class ChatRoutes:
         opts, sampling = request_options(entry, body.get("options"))
         extra = completion_extra(body)
         await check_format(extra)
-        state = {"tools": tools, "think": think, "keep_alive": keep_alive, "opts": opts}
-        if not messages:
-            return entry, None, state
-        prompt = await off_loop(lambda: render_chat(entry, chat_messages(entry, messages), tools, think, level))
-        return entry, Job(entry, prompt, opts, sampling, keep_alive, extra), state
+        prepared = Prepared(entry, None, opts, keep_alive, think, tools)
+        if messages:
+            prompt = await off_loop(lambda: render_chat(entry, chat_messages(entry, messages), tools, think, level))
+            prepared.job = Job(entry, prompt, opts, sampling, keep_alive, extra)
+        return prepared
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         try:
             body = await read_json(request)
-            entry, job, state = await self.prepare_chat(body)
-            if job is None:
-                reason = await self._load_or_unload(entry, state["keep_alive"], state["opts"])
-                return json_response({"model": entry.requested, "created_at": created_at(),
+            prepared = await self.prepare_chat(body)
+            if prepared.job is None:
+                reason = await self._load_or_unload(prepared.entry, prepared.keep_alive, prepared.opts)
+                return json_response({"model": prepared.entry.requested, "created_at": created_at(),
                                       "message": {"role": "assistant", "content": ""}, "done": True,
                                       "done_reason": reason})
         except ApiError as err:
             return err.response()
-        chunks = self.chat_chunks(job, state["tools"], state["think"])
+        chunks = self.chat_chunks(prepared.job, prepared.tools, prepared.think)
         return await respond_ndjson(request, chunks, body.get("stream") is not False, collect_chat)
 
     async def chat_chunks(self, job: Job, tools: Sequence[Mapping[str, Any]] | None, think: bool | None,
@@ -119,44 +169,24 @@ class ChatRoutes:
         """Ollama's chat chunks: message pieces (content, thinking, tool_calls), then the final one.
         `source`: the runner's lines (default: run `job`; tests replay recorded lines)."""
         name = job.entry.requested
-        thinking = ThinkingSplitter(bool(think) and "thinking" in job.entry.capabilities)
-        calls = ToolCallStream(tools) if tools else None
-
-        def message(content: str, thought: str = "", tool_calls: list[dict[str, Any]] | None = None,
-                    logprobs: Any = None) -> dict[str, Any]:
-            msg: dict[str, Any] = {"role": "assistant", "content": content}
-            if thought:
-                msg["thinking"] = thought
-            if tool_calls:
-                msg["tool_calls"] = [{"id": tool_call_id(), **call} for call in tool_calls]
-            out = {"model": name, "created_at": created_at(), "message": msg, "done": False}
-            if logprobs:
-                out["logprobs"] = logprobs
-            return out
-
-        async with aclosing(source or runner_chunks(self.scheduler, job)) as raw:
-            async for chunk in raw:
-                if chunk.get("done"):
-                    thought, content = thinking.finish()
-                    found: list[dict[str, Any]] = []
-                    if calls is not None:
-                        content = calls.feed(content) if content else ""
-                        rest, found = calls.finish()
-                        content += rest
-                    if thought or content or found:
-                        yield message(content, thought, found)
-                    yield {"model": name, "created_at": created_at(),
-                           "message": {"role": "assistant", "content": ""}, "done": True, **metrics(job, chunk)}
+        async with aclosing(pieces(job, think, tools, source or runner_chunks(self.scheduler, job))) as steps:
+            async for piece in steps:
+                message: dict[str, Any] = {"role": "assistant", "content": piece.content}
+                if piece.final is not None:
+                    yield {"model": name, "created_at": created_at(), "message": message, "done": True,
+                           **metrics(job, piece.final)}
                     return
-                thought, content = thinking.feed(chunk.get("content", ""))
-                if calls is not None and content:
-                    content = calls.feed(content)
-                if thought or content or chunk.get("logprobs"):
-                    yield message(content, thought, logprobs=chunk.get("logprobs"))
+                if piece.thinking:
+                    message["thinking"] = piece.thinking
+                if piece.tool_calls:
+                    message["tool_calls"] = [{"id": tool_call_id(), **call} for call in piece.tool_calls]
+                yield with_logprobs({"model": name, "created_at": created_at(), "message": message, "done": False},
+                                    piece)
 
     # ------------------------------------------------------------ /api/generate
 
-    async def prepare_generate(self, body: Mapping[str, Any]) -> tuple[Entry, Job | None, dict[str, Any]]:
+    async def prepare_generate(self, body: Mapping[str, Any]) -> Prepared:
+        """Validate a generate request and render its prompt."""
         entry = self.entry(body.get("model"), missing_status=404)
         if "completion" not in entry.capabilities:
             raise ApiError(400, f'"{entry.requested}" does not support generate')
@@ -173,9 +203,9 @@ class ChatRoutes:
         opts, sampling = request_options(entry, body.get("options"))
         extra = completion_extra(body)
         await check_format(extra)
-        state = {"think": think, "keep_alive": keep_alive, "opts": opts, "raw": bool(body.get("raw"))}
+        prepared = Prepared(entry, None, opts, keep_alive, think, raw=bool(body.get("raw")))
         if not prompt and not body.get("suffix"):
-            return entry, None, state
+            return prepared
         text = await off_loop(lambda: generate_prompt(entry, body, think, level))
         context = body.get("context")
         if context:
@@ -186,51 +216,56 @@ class ChatRoutes:
                 text = tokenizer.decode(context, special=True) + text
             except IndexError as err:
                 raise ApiError(400, f"invalid context: {err}") from err
-        return entry, Job(entry, text, opts, sampling, keep_alive, extra), state
+        prepared.job = Job(entry, text, opts, sampling, keep_alive, extra)
+        return prepared
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         try:
             body = await read_json(request)
-            entry, job, state = await self.prepare_generate(body)
-            if job is None:
-                reason = await self._load_or_unload(entry, state["keep_alive"], state["opts"])
-                return json_response({"model": entry.requested, "created_at": created_at(), "response": "",
-                                      "done": True, "done_reason": reason})
+            prepared = await self.prepare_generate(body)
+            if prepared.job is None:
+                reason = await self._load_or_unload(prepared.entry, prepared.keep_alive, prepared.opts)
+                return json_response({"model": prepared.entry.requested, "created_at": created_at(),
+                                      "response": "", "done": True, "done_reason": reason})
         except ApiError as err:
             return err.response()
-        chunks = self.generate_chunks(job, state["think"], with_context=not state["raw"])
+        chunks = self.generate_chunks(prepared.job, prepared.think, with_context=not prepared.raw)
         return await respond_ndjson(request, chunks, body.get("stream") is not False, collect_generate)
 
-    async def generate_chunks(self, job: Job, think: bool | None, with_context: bool = False) -> Chunks:
+    async def generate_chunks(self, job: Job, think: bool | None, with_context: bool = False,
+                              source: Chunks | None = None) -> Chunks:
+        """Ollama's generate chunks: response pieces (and thinking), then the final one, with `context` (the
+        prompt's and the output's tokens) when asked. `source`: the runner's lines (default: run `job`)."""
         name = job.entry.requested
-        thinking = ThinkingSplitter(bool(think) and "thinking" in job.entry.capabilities)
         output: list[str] = []
 
-        def piece(content: str, thought: str = "", logprobs: Any = None) -> dict[str, Any]:
-            out: dict[str, Any] = {"model": name, "created_at": created_at(), "response": content, "done": False}
-            if thought:
-                out["thinking"] = thought
-            if logprobs:
-                out["logprobs"] = logprobs
-            return out
+        async def recorded(lines: Chunks) -> Chunks:
+            async with aclosing(lines):
+                async for line in lines:
+                    output.append(line.get("content", ""))
+                    yield line
 
-        async with aclosing(runner_chunks(self.scheduler, job)) as raw:
-            async for chunk in raw:
-                text = chunk.get("content", "")
-                output.append(text)
-                if chunk.get("done"):
-                    thought, content = thinking.finish()
-                    if thought or content:
-                        yield piece(content, thought)
-                    final: dict[str, Any] = {"model": name, "created_at": created_at(), "response": "",
-                                             "done": True, **metrics(job, chunk)}
+        lines = recorded(source or runner_chunks(self.scheduler, job))
+        async with aclosing(pieces(job, think, None, lines)) as steps:
+            async for piece in steps:
+                out: dict[str, Any] = {"model": name, "created_at": created_at(), "response": piece.content}
+                if piece.final is not None:
+                    out.update(done=True, **metrics(job, piece.final))
                     if with_context:
-                        final["context"] = await asyncio.to_thread(_context_tokens, job, "".join(output))
-                    yield final
+                        out["context"] = await asyncio.to_thread(_context_tokens, job, "".join(output))
+                    yield out
                     return
-                thought, content = thinking.feed(text)
-                if thought or content or chunk.get("logprobs"):
-                    yield piece(content, thought, chunk.get("logprobs"))
+                out["done"] = False
+                if piece.thinking:
+                    out["thinking"] = piece.thinking
+                yield with_logprobs(out, piece)
+
+
+def with_logprobs(chunk: dict[str, Any], piece: Piece) -> dict[str, Any]:
+    """`chunk` with the piece's logprobs, when it has any (Ollama leaves the key out otherwise)."""
+    if piece.logprobs:
+        chunk["logprobs"] = piece.logprobs
+    return chunk
 
 
 def _context_tokens(job: Job, output: str) -> list[int]:

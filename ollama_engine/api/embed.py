@@ -54,7 +54,7 @@ class EmbedRoutes:
         self.scheduler = scheduler
         self.catalog = catalog
 
-    def _entry(self, name: Any, not_found: str) -> Entry:
+    def entry(self, name: Any, not_found: str) -> Entry:
         if not isinstance(name, str) or not name:
             raise ApiError(400, "model is required")
         try:
@@ -107,7 +107,7 @@ class EmbedRoutes:
         start = time.monotonic()
         try:
             body = await read_json(request)
-            entry = self._entry(body.get("model"), "model '{name}' not found")
+            entry = self.entry(body.get("model"), "model '{name}' not found")
             raw = body.get("input")
             if raw is None or raw == "":
                 texts: list[str] = []
@@ -136,7 +136,7 @@ class EmbedRoutes:
         """The legacy route: one prompt, the vector not normalised, `{"embedding": [...]}`."""
         try:
             body = await read_json(request)
-            entry = self._entry(body.get("model"), 'model "{name}" not found, try pulling it first')
+            entry = self.entry(body.get("model"), 'model "{name}" not found, try pulling it first')
             prompt = body.get("prompt") or ""
             if not isinstance(prompt, str):
                 raise ApiError(400, "json: cannot unmarshal prompt into Go struct field of type string")

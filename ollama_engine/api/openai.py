@@ -15,7 +15,7 @@ import logging
 import random
 import struct
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import aclosing
 from dataclasses import replace
 from typing import Any
@@ -26,7 +26,7 @@ from ollama_engine.store import StoreError
 
 from .catalog import Entry
 from .chat import ChatRoutes, collect_chat, collect_generate
-from .completion import Chunks, Job, first_chunk, runner_chunks
+from .completion import Chunks, Job, collected, first_chunk, runner_chunks
 from .embed import EmbedRoutes, normalized, parse_dimensions
 from .native import ApiError, json_response, read_json
 from .prompt import request_options
@@ -275,9 +275,11 @@ def openai_tool_calls(calls: list[dict[str, Any]], offset: int = 0) -> list[dict
             for i, c in enumerate(calls)]
 
 
-def usage(final: Mapping[str, Any]) -> dict[str, Any]:
-    """OpenAI's usage; prompt_tokens_details.cached_tokens when the runner's prompt cache reused tokens."""
-    prompt, completion = final.get("prompt_eval_count", 0), final.get("eval_count", 0)
+def usage(final: Mapping[str, Any], *more: Mapping[str, Any]) -> dict[str, Any]:
+    """OpenAI's usage of one final chunk, or of several choices of one prompt (their completions added up);
+    prompt_tokens_details.cached_tokens when the runner's prompt cache reused tokens (with_cached_tokens)."""
+    prompt = final.get("prompt_eval_count", 0)
+    completion = sum(f.get("eval_count", 0) for f in (final, *more))
     out: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
                            "total_tokens": prompt + completion}
     if final.get("cached_tokens"):
@@ -285,9 +287,10 @@ def usage(final: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def chat_run(chat: ChatRoutes, job: Job, tools: Any, think: bool | None) -> Chunks:
-    """chat.chat_chunks for `job`, its final chunk carrying `cached_tokens`: the prompt tokens the runner's
-    prompt cache reused (its done line's `prompt_cached_count`), which the native chunks do not report."""
+def with_cached_tokens(chat: ChatRoutes, job: Job, shape: Callable[[Chunks], Chunks]) -> Chunks:
+    """`shape` (native chunks from runner lines) run on `job`, its final chunk carrying `cached_tokens`: the
+    prompt tokens the runner's prompt cache reused (its done line's `prompt_cached_count`), which the native
+    chunks do not report and OpenAI's usage does."""
     seen = {"cached": 0}
 
     async def source() -> Chunks:
@@ -298,11 +301,29 @@ def chat_run(chat: ChatRoutes, job: Job, tools: Any, think: bool | None) -> Chun
                 yield chunk
 
     async def run() -> Chunks:
-        async with aclosing(chat.chat_chunks(job, tools, think, source=source())) as chunks:
+        async with aclosing(shape(source())) as chunks:
             async for chunk in chunks:
                 yield {**chunk, "cached_tokens": seen["cached"]} if chunk.get("done") else chunk
 
     return run()
+
+
+def chat_run(chat: ChatRoutes, job: Job, tools: Any, think: bool | None) -> Chunks:
+    """chat.chat_chunks for `job`, with cached_tokens (with_cached_tokens)."""
+    return with_cached_tokens(chat, job, lambda lines: chat.chat_chunks(job, tools, think, source=lines))
+
+
+def generate_run(chat: ChatRoutes, job: Job, think: bool | None) -> Chunks:
+    """chat.generate_chunks for `job`, with cached_tokens (with_cached_tokens)."""
+    return with_cached_tokens(chat, job, lambda lines: chat.generate_chunks(job, think, source=lines))
+
+
+def envelope(kind: str, ident: str, created: int, model: str, choices: list[dict[str, Any]],
+             **extra: Any) -> dict[str, Any]:
+    """The object around an OpenAI answer or stream chunk (`kind`: chat.completion, chat.completion.chunk,
+    text_completion), with `usage` or the like in `extra`."""
+    return {"id": ident, "object": kind, "created": created, "model": model, "system_fingerprint": "fp_ollama",
+            "choices": choices, **extra}
 
 
 def choice_count(body: Mapping[str, Any]) -> int:
@@ -405,32 +426,28 @@ class OpenAIRoutes:
             body = await read_json(request)
             native, plan = chat_request(body)
             n = choice_count(body)
-            entry, job, state = await self.chat.prepare_chat(native)
+            prepared = await self.chat.prepare_chat(native)
+            job = prepared.job
             assert job is not None  # messages are never empty here
-            await check_bias_ids(entry, job.sampling)
+            await check_bias_ids(prepared.entry, job.sampling)
         except ApiError as err:
             return openai_error(err)
         max_calls = None if body.get("parallel_tool_calls") is not False else 1
         ident, created, model = f"chatcmpl-{random.randrange(999)}", int(time.time()), str(body.get("model"))
         if body.get("stream"):
-            chunks = chat_run(self.chat, job, state["tools"], state["think"])
+            chunks = chat_run(self.chat, job, prepared.tools, prepared.think)
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             return await self._stream(request, self._chat_events(chunks, ident, created, model, include_usage,
                                                                  max_calls))
         try:
             finals = []
             for index in range(n):  # one after another: each takes a slot, and the first error ends the request
-                chunks = chat_run(self.chat, choice_job(job, index), state["tools"], state["think"])
-                async with aclosing(chunks):
-                    finals.append(collect_chat([chunk async for chunk in chunks]))
+                chunks = chat_run(self.chat, choice_job(job, index), prepared.tools, prepared.think)
+                finals.append(await collected(chunks, collect_chat))
         except ApiError as err:
             return openai_error(err)
         choices = [self._choice(index, final, max_calls) for index, final in enumerate(finals)]
-        total = usage(finals[0])
-        total["completion_tokens"] = sum(f.get("eval_count", 0) for f in finals)
-        total["total_tokens"] = total["prompt_tokens"] + total["completion_tokens"]
-        return json_response({"id": ident, "object": "chat.completion", "created": created, "model": model,
-                              "system_fingerprint": "fp_ollama", "choices": choices, "usage": total})
+        return json_response(envelope("chat.completion", ident, created, model, choices, usage=usage(*finals)))
 
     @staticmethod
     def _choice(index: int, final: Mapping[str, Any], max_calls: int | None) -> dict[str, Any]:
@@ -453,8 +470,7 @@ class OpenAIRoutes:
             choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": reason}
             if logprobs:
                 choice["logprobs"] = openai_logprobs(logprobs)
-            return {"id": ident, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "system_fingerprint": "fp_ollama", "choices": [choice]}
+            return envelope("chat.completion.chunk", ident, created, model, [choice])
 
         first, calls = True, 0
         async with aclosing(chunks):
@@ -465,8 +481,7 @@ class OpenAIRoutes:
                         yield event({"role": "assistant", "content": ""})
                     yield event({}, finish_reason(chunk, calls > 0))
                     if include_usage:
-                        yield {"id": ident, "object": "chat.completion.chunk", "created": created, "model": model,
-                               "system_fingerprint": "fp_ollama", "choices": [], "usage": usage(chunk)}
+                        yield envelope("chat.completion.chunk", ident, created, model, [], usage=usage(chunk))
                     return
                 deltas: list[dict[str, Any]] = []
                 if message.get("thinking"):
@@ -499,28 +514,26 @@ class OpenAIRoutes:
                 raise ApiError(400, "Invalid type for 'logprobs': expected an integer from 0 to 20.")
             if logprobs:
                 native.update(logprobs=True, top_logprobs=logprobs)
-            entry, job, state = await self.chat.prepare_generate(native)
+            prepared = await self.chat.prepare_generate(native)
+            job = prepared.job
             if job is None:
                 raise ApiError(400, "prompt is required")
-            await check_bias_ids(entry, job.sampling)
+            await check_bias_ids(prepared.entry, job.sampling)
         except ApiError as err:
             return openai_error(err)
-        chunks = self.chat.generate_chunks(job, state["think"])
+        chunks = generate_run(self.chat, job, prepared.think)
         ident, created, model = f"cmpl-{random.randrange(999)}", int(time.time()), str(body.get("model"))
 
-        def obj(text: str, reason: str | None) -> dict[str, Any]:
-            return {"id": ident, "object": "text_completion", "created": created, "model": model,
-                    "system_fingerprint": "fp_ollama",
-                    "choices": [{"text": text, "index": 0, "finish_reason": reason}]}
+        def obj(text: str, reason: str | None, **extra: Any) -> dict[str, Any]:
+            choice = {"text": text, "index": 0, "finish_reason": reason}
+            return envelope("text_completion", ident, created, model, [choice], **extra)
 
         if not body.get("stream"):
-            async with aclosing(chunks):
-                try:
-                    collected = [chunk async for chunk in chunks]
-                except ApiError as err:
-                    return openai_error(err)
-            final = collect_generate(collected)
-            return json_response({**obj(final["response"], finish_reason(final, False)), "usage": usage(final)})
+            try:
+                final = await collected(chunks, collect_generate)
+            except ApiError as err:
+                return openai_error(err)
+            return json_response(obj(final["response"], finish_reason(final, False), usage=usage(final)))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
         async def events() -> AsyncIterator[dict[str, Any]]:
@@ -529,7 +542,7 @@ class OpenAIRoutes:
                     if chunk.get("done"):
                         yield obj("", finish_reason(chunk, False))
                         if include_usage:
-                            yield {**obj("", None), "choices": [], "usage": usage(chunk)}
+                            yield envelope("text_completion", ident, created, model, [], usage=usage(chunk))
                         return
                     yield obj(chunk.get("response", ""), None)
 
@@ -540,7 +553,7 @@ class OpenAIRoutes:
     async def embeddings(self, request: web.Request) -> web.Response:
         try:
             body = await read_json(request)
-            entry = self.embed._entry(body.get("model"), "model '{name}' not found")
+            entry = self.embed.entry(body.get("model"), "model '{name}' not found")
             texts = await embedding_texts(entry, body.get("input"))
             encoding = body.get("encoding_format") or "float"
             if encoding not in ("float", "base64"):

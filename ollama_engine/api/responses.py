@@ -28,7 +28,7 @@ from typing import Any
 from aiohttp import web
 
 from .chat import ChatRoutes, collect_chat
-from .completion import Chunks
+from .completion import Chunks, collected
 from .native import ApiError, json_response, read_json
 from .openai import (
     IMAGE_PREFIXES,
@@ -308,20 +308,20 @@ class ResponsesRoutes:
         try:
             body = await read_json(request)
             native, response, conversation = self._request(body)
-            _, job, state = await self.chat.prepare_chat(native)
+            prepared = await self.chat.prepare_chat(native)
+            job = prepared.job
             if job is None:
                 raise ApiError(400, "Invalid 'input': expected a string or a non-empty array of input items.")
         except ApiError as err:
             return openai_error(err)
-        chunks = chat_run(self.chat, job, state["tools"], state["think"])
+        chunks = chat_run(self.chat, job, prepared.tools, prepared.think)
         max_calls = None if response["parallel_tool_calls"] else 1
         if body.get("stream"):
             return await self._stream(request, self._events(chunks, response, conversation, max_calls))
-        async with aclosing(chunks):
-            try:
-                final = collect_chat([chunk async for chunk in chunks])
-            except ApiError as err:
-                return openai_error(err)
+        try:
+            final = await collected(chunks, collect_chat)
+        except ApiError as err:
+            return openai_error(err)
         message = final["message"]
         items: list[dict[str, Any]] = []
         if message.get("thinking"):
