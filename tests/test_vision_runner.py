@@ -11,25 +11,33 @@ import pytest
 from test_runner_e2e import LOAD, Client, completion, free_port, start_runner
 from test_vision import SPEC, png_bytes, smooth_image
 
+from ollama_engine.fs.gguf_file import GGUFFile
 from ollama_engine.fs.synthetic import write_synthetic
-from ollama_engine.fs.synthetic_vision import add_vision
+from ollama_engine.fs.synthetic_vision import add_vision, write_mmproj
+from ollama_engine.tokenizer import from_metadata
 
 IMAGE = png_bytes(smooth_image(50, 37, seed=1))
 OTHER = png_bytes(smooth_image(30, 60, seed=2))
 
 
 @pytest.fixture(scope="module")
-def runner(tmp_path_factory):
+def files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("vision-runner")
     text = write_synthetic(folder / "text.gguf", "gemma3", weight_type="F32")
-    model = add_vision(text, folder / "vision.gguf", SPEC)
+    return {"text": text, "single": add_vision(text, folder / "vision.gguf", SPEC),
+            "mmproj": write_mmproj(folder / "mmproj.gguf", SPEC)}
+
+
+@pytest.fixture(scope="module")
+def runner(files):
+    model = files["single"]
     port = free_port()
     proc = start_runner(model, port)
     client = Client(port)
     try:
         for operation in (0, 1, 2):
-            assert client.json("POST", "/load", {**LOAD, "Operation": operation, "Parallel": 2,
-                                                 "KvSize": 512})["Success"]
+            assert client.json("POST", "/load", {**LOAD, "Operation": operation, "Parallel": 2, "KvSize": 512,
+                                                 "BatchSize": 64})["Success"]
         while client.json("GET", "/health")["status"] != 0:
             pass
         yield client
@@ -67,3 +75,28 @@ def test_bad_images_are_a_400_and_the_runner_keeps_serving(runner):
     assert status == 400
     text, done = runner.complete("still here?", options={"num_predict": 4})
     assert done["done"] and "image_count" not in done
+
+
+@pytest.mark.reference
+def test_greedy_answer_about_an_image_is_llama_cpps(runner, files):
+    """The runner decodes an image in a batch of its own (its rows see no later text, as mtmd decodes it) even
+    where the batch has room for the text after it: its greedy answer is llama.cpp's."""
+    from test_vision import IMAGES
+    from vision_reference import MtmdReference
+
+    image = IMAGES["png-wide"]()
+    reference = MtmdReference(files["text"], files["mmproj"], threads=2, n_ctx=512, n_batch=512)
+    try:
+        marker = reference.mtmd.mtmd_default_marker().decode()
+        logits, position, _ = reference.eval_prompt(f"Look at {marker}. What do you see?", [image.pixels])
+        tokenizer = from_metadata(GGUFFile.open(files["text"]).metadata)
+        tokens = []
+        while len(tokens) < 8 and not tokenizer.is_eog(token := int(logits.argmax())):
+            tokens.append(token)
+            logits = reference.decode_token(token, position)
+            position += 1
+    finally:
+        reference.close()
+    text, _ = runner.complete("Look at [img-0]. What do you see?", options={"temperature": 0, "num_predict": 8},
+                              Images=images((0, png_bytes(image.pixels))))
+    assert tokens and text == b"".join(tokenizer.token_piece(t) for t in tokens).decode()  # the runner's pieces

@@ -210,11 +210,12 @@ class Runner:
                 limit = self.batch_size
                 cap = self.cache.chunk_limit(len(slot.inputs) + len(seq.pending_inputs))
                 group_end = -1  # the last input of a same-batch group begun in this batch: never cut before it
+                image_end = -1  # the last input of an image's run: the chunk ends there
                 for i, inp in enumerate(seq.inputs):
                     needed = 1 + inp.same_batch
                     limit = max(limit, needed)  # a group larger than a batch gets a batch of its own
-                    if i > group_end and (len(state.inputs) + needed > limit
-                                          or (i + needed > cap and i > 0 and not drafts)):
+                    if i > group_end and (len(state.inputs) + needed > limit or (i > 0 and (
+                            (i + needed > cap and not drafts) or inp.multimodal is not None))):
                         if not seq.pending_inputs and resume is None:
                             resume = index  # start there next time, so it does not starve
                         break
@@ -234,6 +235,8 @@ class Runner:
                             state.seqs[index] = None
                             break
                     group_end = max(group_end, i + inp.same_batch)
+                    if inp.multimodal is not None:
+                        image_end = i + inp.same_batch
                     state.inputs.append(inp)
                     positions.append(len(slot.inputs) + len(seq.pending_inputs))
                     sequences.append(slot.id)
@@ -242,6 +245,8 @@ class Runner:
                     if i + 1 == len(seq.inputs) or drafts:  # a verified row: its logits too
                         outputs.append(len(state.inputs) - 1)
                     seq.pending_inputs.append(inp)
+                    if i == image_end:
+                        break  # an image is decoded alone, as llama.cpp's mtmd decodes it: its rows see no later text
                 seq.inputs = seq.inputs[len(seq.pending_inputs):]
             for seq in state.seqs:
                 if seq is not None:
@@ -266,14 +271,19 @@ class Runner:
         taken, limit = 0, self.batch_size
         assert seq.slot is not None
         cap = self.cache.chunk_limit(len(seq.slot.inputs) + len(seq.pending_inputs))
-        group_end = -1
+        group_end = image_end = -1
         for inp in seq.inputs:
             needed = 1 + inp.same_batch
             limit = max(limit, needed)
-            if taken > group_end and (taken + needed > limit or (taken + needed > cap and taken > 0)):
+            if taken > group_end and (taken + needed > limit or (taken > 0 and (
+                    taken + needed > cap or inp.multimodal is not None))):
                 break
             group_end = max(group_end, taken + inp.same_batch)
+            if inp.multimodal is not None:
+                image_end = taken + inp.same_batch
             taken += 1
+            if taken - 1 == image_end:
+                break
         return taken
 
     def _compute_batch(self, state: BatchState) -> None:
