@@ -53,11 +53,12 @@ async def off_loop(render: Callable[[], str]) -> str:
 
 
 def think_value(value: Any) -> tuple[bool | None, str]:
-    """`think`: (enabled or None when not given, level)."""
+    """`think`: (enabled or None when not given, level). `true` is the level "medium", as Ollama's
+    ThinkValue.String() gives templates."""
     if value is None:
         return None, ""
     if isinstance(value, bool):
-        return value, ""
+        return value, "medium" if value else ""
     if isinstance(value, str) and value in THINK_LEVELS:
         return True, value
     raise ApiError(400, f"invalid think value: {value!r} (must be a boolean or one of {', '.join(THINK_LEVELS)})")
