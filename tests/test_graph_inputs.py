@@ -11,10 +11,13 @@ import pytest
 from ollama_engine.fs.synthetic import PRESETS, write_synthetic
 from ollama_engine.kvcache import Batch
 from ollama_engine.ml import DType
-from ollama_engine.models import llama, load_model
+from ollama_engine.models import REGISTRY, llama, load_model
 from ollama_engine.models.graphs import stale_inputs
 
 TINY = sorted(name for name in PRESETS if name.startswith("tiny-"))
+# the architectures only Ollama's converters name: written by a preset in Ollama's layout
+OLLAMA = {"tiny-gpt-oss": "gptoss", "tiny-olmo3": "olmo3", "tiny-glm4moelite": "glm4moelite"}
+CASES = [(preset, "llama.cpp") for preset in TINY] + [(preset, "ollama") for preset in OLLAMA]
 PROMPT, STEPS = 20, 16  # decoding from position 20 to 35 crosses mistral3's temperature step at 32
 
 
@@ -51,10 +54,19 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("graph-inputs")
 
 
-@pytest.mark.parametrize("preset", TINY)
-def test_a_reused_graph_refreshes_every_input(folder: Path, preset: str) -> None:
-    model = open_model(write_synthetic(folder / f"{preset}.gguf", preset, weight_type="F32"))
+def test_every_architecture_is_checked() -> None:
+    """A new architecture needs a tiny preset, and so gets the check below."""
+    checked = {PRESETS[preset].arch for preset in TINY} | set(OLLAMA.values())
+    assert {name for name in REGISTRY if not name.endswith("_embed")} <= checked
+
+
+@pytest.mark.parametrize(("preset", "layout"), CASES)
+def test_a_reused_graph_refreshes_every_input(folder: Path, preset: str, layout: str) -> None:
+    path = write_synthetic(folder / f"{preset}-{layout}.gguf", preset, weight_type="F32", layout=layout)
+    model = open_model(path)
     try:
+        if layout == "ollama":
+            assert model.config.architecture() == OLLAMA[preset]
         if not model.reuse_graphs:
             pytest.skip(f"{preset} builds a graph for every batch")
         stale = stale_while_decoding(model)
