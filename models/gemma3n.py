@@ -32,27 +32,22 @@ from dataclasses import dataclass
 import numpy as np
 
 from ollama_engine.fs import Config
-from ollama_engine.kvcache import Batch, Causal, Wrapper, attention
+from ollama_engine.kvcache import Batch, attention
 from ollama_engine.ml import Backend, Context, RopeOptions, Tensor
 from ollama_engine.tokenizer import Tokenizer
 
 from .base import Model, ModelError, bind, register, require_uint, weight
+from .layers import f32_reciprocal_sqrt, head, heads
+from .sliding import GLOBAL, SWA, check_window, sliding_cache, swa_layers
 
-SWA, GLOBAL = 0, 1  # the Wrapper's caches, by layer type
 KV_LAYERS = 20  # llama.cpp's n_layer_kv_from_start for gemma3n files without attention.shared_kv_layers
 SPARSE_LAYERS = 10  # llama.cpp's n_layer_sparsity, for files without activation_sparsity_scale
 SPARSITY_STD_MUL = 1.6448533535003662  # the normal distribution's 0.95 quantile, as llama.cpp's float
-INT32_MAX = 2**31 - 1
 
 
 def f32(x: float) -> float:
     """x rounded to float32, the precision llama.cpp computes its scalar factors in."""
     return float(np.float32(x))
-
-
-def f32_inverse_sqrt(x: float) -> float:
-    """1.0f / sqrtf(x)."""
-    return float(np.float32(1) / np.sqrt(np.float32(x)))
 
 
 @dataclass
@@ -138,9 +133,8 @@ class Options:
         if shared > blocks:
             raise ModelError(f"gemma3n: attention.shared_kv_layers {shared} exceeds block_count {blocks}")
         window = config.get_uint("attention.sliding_window", 0)
-        swa = sliding_layers(config, blocks, 5) if window else (False,) * blocks
-        if window > INT32_MAX or (any(swa) and window < 2):
-            raise ModelError(f"gemma3n: attention.sliding_window must be in 2..{INT32_MAX}, got {window}")
+        swa = swa_layers(config, blocks, 5) if window else (False,) * blocks  # llama.cpp's: every 5th global
+        check_window(window, swa)
         kv_layers = blocks - shared
         if shared and (kv_layers < 2 or not swa[kv_layers - 2] or swa[kv_layers - 1]):
             raise ModelError(f"gemma3n: layers {kv_layers} on share the keys of layers {kv_layers - 2} (sliding) "
@@ -157,18 +151,6 @@ class Options:
             final_softcap=config.get_float("final_logit_softcapping", 30.0),
             correct_scale=config.get_bool("altup.correct_scale", True),
         )
-
-
-def sliding_layers(config: Config, blocks: int, pattern: int) -> tuple[bool, ...]:
-    """Which layers slide: attention.sliding_window_pattern as one flag per layer (the converters write
-    that), or n: every n-th layer global; `pattern` (llama.cpp's 5) where the file has neither."""
-    flags = config.value("attention.sliding_window_pattern")
-    if isinstance(flags, list):
-        if len(flags) != blocks:
-            raise ModelError(f"gemma3n: attention.sliding_window_pattern has {len(flags)} flags for {blocks} layers")
-        return tuple(bool(f) for f in flags)
-    n = config.get_uint("attention.sliding_window_pattern", pattern)
-    return tuple(n == 0 or i % n < n - 1 for i in range(blocks))
 
 
 def sparsity(config: Config, blocks: int) -> tuple[float, ...]:
@@ -201,10 +183,7 @@ class Gemma3n(Model):
         self.weights = w = bind(Weights, backend)
         self.layers = [bind(Layer, backend, f"blk.{i}.") for i in range(o.blocks)]
         self._check_shapes(w)
-        # As gemma2's: llama.cpp's n_swa counts the token itself, Causal's window the positions before it;
-        # sliding layers keep a ring of n_swa + batch cells, as llama.cpp's default (swa_full off).
-        sliding = Causal(self.shift, window_size=max(o.window - 1, 1))
-        self.cache = Wrapper(sliding, Causal(self.shift))
+        self.cache = sliding_cache(self.shift, o.window)
 
     def _check_shapes(self, w: Weights) -> None:
         """The shapes the graph's reshapes and views rely on, named in a clear error where a file has others."""
@@ -240,13 +219,13 @@ class Gemma3n(Model):
         """Attention of layer i over its cache (or over the layer's it shares), after attn_output."""
         o, n = self.options, x.ne[1]
         self.cache.set_layer_type(SWA if o.swa[i] else GLOBAL)
-        q = layer.attn_q.matmul(x).reshape(o.head_dim, o.heads, n).rms_norm(layer.attn_q_norm, o.eps)
+        q = heads(x, layer.attn_q, None, o.head_dim, o.heads).rms_norm(layer.attn_q_norm, o.eps)
         q = self.rope(q.set_name(f"Qcur_normed-{i}"), positions, i).set_name(f"Qcur_pos-{i}")
         k = v = None
         if i < o.kv_layers:
             self.cache.set_layer(i)
-            k = layer.attn_k.matmul(x).reshape(o.head_dim, o.kv_heads, n).rms_norm(layer.attn_k_norm, o.eps)
-            v = layer.attn_v.matmul(x).reshape(o.head_dim, o.kv_heads, n).rms_norm(None, o.eps)
+            k = heads(x, layer.attn_k, None, o.head_dim, o.kv_heads).rms_norm(layer.attn_k_norm, o.eps)
+            v = heads(x, layer.attn_v, None, o.head_dim, o.kv_heads).rms_norm(None, o.eps)
             k = self.rope(k.set_name(f"Kcur_normed-{i}"), positions, i).set_name(f"Kcur_pos-{i}")
             v.set_name(f"Vcur_normed-{i}")
         else:  # the last storing layer of its kind: the one before the last is sliding, the last global
@@ -324,9 +303,9 @@ class Gemma3n(Model):
         o, w, n = self.options, self.weights, h.ne[1]
         embedded = w.per_layer_token_embd.rows(tokens).reshape(o.per_layer, o.blocks, n)
         embedded = embedded.scale(f32(np.sqrt(np.float32(o.per_layer)))).set_name("inp_per_layer_selected")
-        projected = w.per_layer_model_proj.matmul(h).scale(f32_inverse_sqrt(o.hidden))
+        projected = w.per_layer_model_proj.matmul(h).scale(f32_reciprocal_sqrt(o.hidden))
         projected = projected.reshape(o.per_layer, o.blocks, n).rms_norm(w.per_layer_proj_norm, o.eps)
-        inputs = projected.set_name("per_layer_proj").add(embedded).scale(f32_inverse_sqrt(2.0))
+        inputs = projected.set_name("per_layer_proj").add(embedded).scale(f32_reciprocal_sqrt(2.0))
         return inputs.set_name("inp_per_layer").permute(0, 2, 1, 3).contiguous()
 
     def stacked(self, h: Tensor) -> Tensor:
@@ -357,7 +336,7 @@ class Gemma3n(Model):
         x = self.self_attention(ctx, layer, x, positions, i)
         x = x.rms_norm(layer.post_attention_norm, o.eps).set_name(f"attn_post_norm-{i}")
         x = x.add(active).set_name(f"attn_gated-{i}")
-        attn_laurel = x.add(laurel).scale(f32_inverse_sqrt(2.0)).set_name(f"attn_laurel-{i}")
+        attn_laurel = x.add(laurel).scale(f32_reciprocal_sqrt(2.0)).set_name(f"attn_laurel-{i}")
         x = attn_laurel.rms_norm(layer.ffn_norm, o.eps).set_name(f"ffn_norm-{i}")
         x = self.feed_forward(layer, x, i).set_name(f"ffn_out-{i}")
         x = x.rms_norm(layer.post_ffw_norm, o.eps).set_name(f"ffn_post_norm-{i}")
@@ -390,8 +369,4 @@ class Gemma3n(Model):
         if not len(batch.outputs):
             return None
         h = self.merged(streams).rows(inputs.from_numpy(batch.outputs).set_name("outputs"))
-        logits = w.output.matmul(h.rms_norm(w.output_norm, o.eps).set_name("result_norm"))
-        if o.final_softcap:
-            cap = o.final_softcap
-            logits = logits.scale(f32(1.0 / f32(cap))).tanh().scale(cap)
-        return logits.set_name("result_output")
+        return head(h, w.output_norm, w.output, o.eps, o.final_softcap)
