@@ -303,3 +303,15 @@ def test_bad_penalties_are_a_400_through_serve(server: str, options: dict[str, A
     body = {"model": "smollm2", "prompt": "hi", "stream": False, "options": {"num_predict": 1, **options}}
     response = httpx.post(server + "/api/generate", json=body, timeout=120)
     assert response.status_code == 400 and next(iter(options)) in response.json()["error"]
+
+
+@pytest.mark.parametrize(("route", "body"), [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 2.5}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "frequency_penalty": "high"}),
+    ("/v1/completions", {"prompt": "hi", "frequency_penalty": -3}),
+])
+def test_openai_penalties_outside_openais_range_are_a_400(server: str, route: str, body: dict[str, Any]):
+    response = httpx.post(server + route, json={"model": "smollm2", "max_tokens": 1, **body}, timeout=120)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and "between -2 and 2" in error["message"]

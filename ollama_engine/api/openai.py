@@ -67,6 +67,11 @@ def sampling_options(body: Mapping[str, Any], top_p_zero_is_one: bool = False) -
     for key in ("seed", "frequency_penalty", "presence_penalty"):
         if body.get(key) is not None:
             options[key] = body[key]
+    for key in ("frequency_penalty", "presence_penalty"):  # OpenAI's range (the native options take any)
+        value = body.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not -2 <= value <= 2):
+            raise ApiError(400, f"Invalid '{key}': expected a number between -2 and 2, but got {value!r} instead.")
     stop = body.get("stop")
     if stop is not None:
         if isinstance(stop, str):
