@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 from llama_reference import Reference, compare_schedule, llama_kv_report, log_softmax
 from memory_checks import fitted_then_allocated
+from test_gemma import encode, shift_then_decode
 
 from ollama_engine import diff
 from ollama_engine.fs import GGUFFile
@@ -166,6 +167,15 @@ def test_greedy_decoding_matches(synthetic, weight_type, sequences, flash):
     worst = compare_schedule(synthetic(weight_type), flash=flash, cache_type="f16", sequences=sequences, steps=10,
                              tolerance=TOLERANCE, prompts=PROMPTS)
     assert worst < TOLERANCE
+
+
+@pytest.mark.reference
+def test_context_shift_matches_llama_cpp(synthetic):
+    """Positions 3-7 dropped and the rest moved down in both engines (llama.cpp's seq_rm and seq_add): the
+    storing layers' keys are re-rotated with their kind's RoPE base, which the shared layers then read."""
+    path = synthetic()
+    tokens = encode(path, PROMPTS[0])
+    shift_then_decode(path, tokens, keep=3, discard=5, steps=8, tolerance=TOLERANCE)
 
 
 @pytest.mark.reference
