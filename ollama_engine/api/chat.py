@@ -33,6 +33,7 @@ from .prompt import (
     off_loop,
     render_chat,
     request_options,
+    tag_images,
     think_value,
 )
 
@@ -144,6 +145,9 @@ class ChatRoutes:
         opts, sampling = request_options(entry, body.get("options"))
         extra = completion_extra(body)
         await check_format(extra)
+        messages, images = await asyncio.to_thread(tag_images, messages)
+        if images:
+            extra["Images"] = images
         prepared = Prepared(entry, None, opts, keep_alive, think, tools)
         if messages:
             prompt = await off_loop(lambda: render_chat(entry, chat_messages(entry, messages), tools, think, level))
@@ -203,6 +207,10 @@ class ChatRoutes:
         opts, sampling = request_options(entry, body.get("options"))
         extra = completion_extra(body)
         await check_format(extra)
+        if body.get("images"):  # tagged as the user message's images, unless the prompt is raw (it has its tags)
+            tagged, extra["Images"] = await asyncio.to_thread(
+                tag_images, [{"content": prompt, "images": body["images"]}], not body.get("raw"))
+            body = {**body, "prompt": tagged[0]["content"]}
         prepared = Prepared(entry, None, opts, keep_alive, think, raw=bool(body.get("raw")))
         if not prompt and not body.get("suffix"):
             return prepared

@@ -9,10 +9,13 @@ Modelfile's PARAMETERs < the request's `options`; stops add every end-of-generat
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from ollama_engine.image import ImageError, decode_image
 from ollama_engine.sample.grammar import check_grammar
 from ollama_engine.sample.grammar_text import GRAMMAR_JSON, GrammarError
 from ollama_engine.sched import Options
@@ -70,11 +73,43 @@ def check_think(entry: Entry, think: bool | None) -> None:
 
 
 def check_images(entry: Entry, messages: Sequence[Mapping[str, Any]]) -> None:
-    """Images need a vision model; this engine runs none yet, so say so clearly."""
-    if any(m.get("images") for m in messages):
-        if "vision" not in entry.capabilities:
-            raise ApiError(400, f'"{entry.requested}" does not support images: it is a text-only model')
-        raise ApiError(400, "this engine does not run vision models yet")
+    """Images need a vision model (one whose file holds a tower, or with a projector)."""
+    if any(m.get("images") for m in messages) and "vision" not in entry.capabilities:
+        raise ApiError(400, f'"{entry.requested}" does not support images: it is a text-only model')
+
+
+def tag_images(messages: Sequence[Mapping[str, Any]], tag: bool = True) -> tuple[list[dict[str, Any]], list[dict]]:
+    """The messages with their images as Ollama's chatPrompt puts them: each image numbered in order, its
+    `[img-N]` tag in place of the text's next "[img]", else before the text; and the images as the runner's
+    ImageData ({"data": base64, "id": N}). Every image is decoded here, so a corrupt or huge one is a 400
+    before any model is loaded (call it off the event loop). tag=False: numbered only (a raw prompt)."""
+    out: list[dict[str, Any]] = []
+    images: list[dict[str, Any]] = []
+    for message in messages:
+        message = dict(message)
+        raw = message.pop("images", None) or []
+        if not isinstance(raw, list) or not all(isinstance(item, str) for item in raw):
+            raise ApiError(400, "images must be an array of base64-encoded strings")
+        prefix, content = "", message.get("content") or ""
+        for item in raw:
+            try:
+                data = base64.b64decode(item, validate=True)
+            except (binascii.Error, ValueError) as err:
+                raise ApiError(400, f"invalid image data: not base64 ({err})") from err
+            try:
+                decode_image(data)
+            except ImageError as err:
+                raise ApiError(400, f"invalid image data: {err}") from err
+            name = f"[img-{len(images)}]"
+            if isinstance(content, str) and "[img]" in content:
+                content = content.replace("[img]", name, 1)
+            else:
+                prefix += name
+            images.append({"data": item, "id": len(images)})
+        if raw and tag and isinstance(content, str):
+            message["content"] = prefix + content
+        out.append(message)
+    return out, images
 
 
 def chat_messages(entry: Entry, messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
