@@ -1626,9 +1626,10 @@ def _tokenizer_values(spec: ModelSpec) -> dict[str, tuple[Any, GGUFValueType, GG
 
     n_tokens = len(values["tokenizer.ggml.tokens"][0])
     n_vocab = spec.n_vocab if spec.n_vocab is not None else n_tokens
-    if n_vocab < n_tokens:  # a SentencePiece vocabulary keeps its first n_vocab pieces (bytes and specials)
-        special = [values[k][0] for k in values if k.endswith("_token_id")]
-        if values["tokenizer.ggml.model"][0] != "llama" or any(t >= n_vocab for t in special):
+    if n_vocab < n_tokens:  # a SentencePiece vocabulary may keep its first n_vocab pieces: specials, bytes, ...
+        kept = [values[k][0] for k in values if k.endswith("_token_id")] + [
+            i for i, t in enumerate(values["tokenizer.ggml.token_type"][0]) if t == gguf.TokenType.BYTE]
+        if values["tokenizer.ggml.model"][0] != "llama" or any(t >= n_vocab for t in kept):
             raise ValueError(f"{spec.name}: n_vocab {n_vocab} is smaller than the {spec.vocab} vocab ({n_tokens})")
         for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
             value, vtype, etype = values[key]
