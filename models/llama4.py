@@ -94,10 +94,8 @@ class Llama4(Model):
         if experts is None:
             return ffn(x, layer.ffn_gate, layer.ffn_up, layer.ffn_down, i)
         mixed = moe(x, experts, self.routing, i)
-        gate = layer.ffn_gate_shexp.matmul(x)
-        shared = layer.ffn_down_shexp.matmul(gate.silu(layer.ffn_up_shexp.matmul(x)))
-        shared.set_name(f"ffn_moe_shexp-{i}")
-        return mixed.add(shared).set_name(f"ffn_moe_out_merged-{i}")
+        shared = ffn(x, layer.ffn_gate_shexp, layer.ffn_up_shexp, layer.ffn_down_shexp, i)
+        return mixed.add(shared.set_name(f"ffn_moe_shexp-{i}")).set_name(f"ffn_moe_out_merged-{i}")
 
     def forward(self, ctx: Context, batch: Batch) -> Tensor | None:
         o, w = self.options, self.weights

@@ -117,6 +117,6 @@ class Qwen2Moe(Qwen2):
         assert isinstance(layer, Qwen2MoeLayer)
         mixed = moe(x, self.experts[i], self.routing, i)
         gate = layer.ffn_gate_inp_shexp.matmul(x).sigmoid().set_name(f"ffn_shexp_gate-{i}")  # (1, n)
-        shared = layer.ffn_down_shexp.matmul(layer.ffn_gate_shexp.matmul(x).silu(layer.ffn_up_shexp.matmul(x)))
-        shared = shared.set_name(f"ffn_shexp-{i}").mul(gate).set_name(f"ffn_shexp_out-{i}")
+        shared = ffn(x, layer.ffn_gate_shexp, layer.ffn_up_shexp, layer.ffn_down_shexp, i).set_name(f"ffn_shexp-{i}")
+        shared = shared.mul(gate).set_name(f"ffn_shexp_out-{i}")
         return mixed.add(shared)

@@ -206,7 +206,7 @@ class Qwen3Next(Model):
         shared = self.shared[i]
         if shared.up is None or shared.gate is None or shared.down is None:
             return out
-        expert = shared.down.matmul(shared.gate.matmul(x).silu(shared.up.matmul(x))).set_name(f"ffn_shexp-{i}")
+        expert = ffn(x, shared.gate, shared.up, shared.down, i).set_name(f"ffn_shexp-{i}")
         if shared.gate_inp is not None:
             expert = expert.mul(shared.gate_inp.matmul(x).sigmoid())
         return out.add(expert)
