@@ -217,8 +217,9 @@ def _strings(data: Mapping[str, Any], key: str) -> list[str]:
 
 @dataclass
 class LoadRequest:
-    """llm.LoadRequest. ProjectorPath and MainGPU are legacy and ignored (but compared); UseMmap maps the
-    file for the weights on the CPU (Ollama's Go engine ignored it, its llama.cpp runner did not)."""
+    """llm.LoadRequest. ProjectorPath: a separate vision projector (mmproj GGUF); MainGPU is legacy and ignored
+    (but compared); UseMmap maps the file for the weights on the CPU (Ollama's Go engine ignored it, its llama.cpp
+    runner did not)."""
 
     operation: LoadOperation = LoadOperation.FIT
     lora_path: list[str] = field(default_factory=list)
@@ -289,6 +290,7 @@ class LoadRequest:
             gpu_layers=tuple(self.gpu_layers),
             multi_user_cache=self.multi_user_cache,
             use_mmap=self.use_mmap,
+            projector_path=self.projector_path,
         )
 
 

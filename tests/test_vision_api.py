@@ -13,7 +13,7 @@ from serve_process import serve_process
 from test_vision import SPEC, png_bytes, smooth_image
 
 from ollama_engine.fs.synthetic import write_synthetic
-from ollama_engine.fs.synthetic_vision import add_vision
+from ollama_engine.fs.synthetic_vision import add_vision, write_mmproj
 
 IMAGE = png_bytes(smooth_image(50, 37, seed=1))
 GREEDY = {"temperature": 0, "num_predict": 6}
@@ -24,11 +24,15 @@ def served(tmp_path_factory):
     folder = tmp_path_factory.mktemp("vision-api")
     text = write_synthetic(folder / "text.gguf", "gemma3", weight_type="F32")
     vision = add_vision(text, folder / "vision.gguf", SPEC)
+    mmproj = write_mmproj(folder / "mmproj.gguf", SPEC)
     (folder / "models").mkdir()
     with serve_process(folder / "models") as url:
         client = ollama.Client(host=url)
         for name, path in (("vision", vision), ("textonly", text)):
             assert client.create(model=name, files={path.name: client.create_blob(path)}).status == "success"
+        # llama.cpp's layout: the text model and its mmproj, two files of one model (a projector layer)
+        files = {path.name: client.create_blob(path) for path in (text, mmproj)}
+        assert client.create(model="split", files=files).status == "success"
         yield url, "vision", "textonly"
 
 
@@ -68,3 +72,14 @@ def test_bad_images_are_a_400_and_serving_goes_on(served):
         client.chat(model=text, messages=[{"role": "user", "content": "hi", "images": [IMAGE]}], options=GREEDY)
     assert error.value.status_code == 400 and "does not support images" in str(error.value)
     assert client.generate(model=vision, prompt="still there?", options=GREEDY).done
+
+
+def test_a_model_with_a_separate_mmproj_answers_as_the_single_file(served):
+    """create with a text GGUF and an mmproj GGUF makes one vision model (the store's projector layer, passed to
+    the runner as ProjectorPath); the same weights as the single file give the same greedy answer."""
+    url, vision, _ = served
+    client = ollama.Client(host=url)
+    assert "vision" in client.show("split").capabilities
+    split = client.generate(model="split", prompt="What is this?", images=[IMAGE], options=GREEDY)
+    single = client.generate(model=vision, prompt="What is this?", images=[IMAGE], options=GREEDY)
+    assert split.response == single.response and split.prompt_eval_count == single.prompt_eval_count

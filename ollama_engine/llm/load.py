@@ -48,6 +48,7 @@ class LoadOptions:
     kv_cache_type: str = ""
     kv_cache_type_k: str = ""  # the key or the value cache alone, where it differs from kv_cache_type
     kv_cache_type_v: str = ""
+    projector_path: str = ""  # a separate vision projector (llama.cpp's mmproj GGUF), sent as ProjectorPath
     multi_user_cache: bool = False
     use_mmap: bool = False  # map the file for the CPU's weights (see mmap_weights)
     gpu_overhead: int = 0  # OLLAMA_GPU_OVERHEAD
@@ -63,7 +64,8 @@ class LoadOptions:
             "BatchSize": min(self.batch_size, self.num_ctx), "FlashAttention": self.flash_attention,
             "KvSize": self.num_ctx * self.parallel, "KvCacheType": self.kv_cache_type, **separate,
             "NumThreads": self.num_threads, "GPULayers": gpu_layers.to_json() or None,
-            "MultiUserCache": self.multi_user_cache, "ProjectorPath": "", "MainGPU": 0, "UseMmap": self.use_mmap,
+            "MultiUserCache": self.multi_user_cache, "ProjectorPath": self.projector_path, "MainGPU": 0,
+            "UseMmap": self.use_mmap,
         }
 
 

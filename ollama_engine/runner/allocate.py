@@ -43,6 +43,7 @@ class LoadParams:
     gpu_layers: tuple[GPULayers, ...] = field(default_factory=tuple)
     multi_user_cache: bool = False
     use_mmap: bool = False  # the CPU's weights mapped from the file, not read into memory of their own
+    projector_path: str = ""  # a separate vision projector (mmproj GGUF); else a tower in the model's file, if any
 
 
 class LoadedModel:
@@ -116,8 +117,12 @@ def open_model(path: str, params: LoadParams, allocate: bool) -> LoadedModel:
         model.close()
         raise
     try:  # the image graph is separate from the text graph: its own backend, reserved in its worst case
-        tower = load_vision(path, allocate=allocate, num_threads=params.num_threads or None,
-                            flash_attention=_flash_attention(params), file=model.backend.model)
+        source = params.projector_path or path
+        tower = load_vision(source, allocate=allocate, num_threads=params.num_threads or None,
+                            flash_attention=_flash_attention(params),
+                            file=None if params.projector_path else model.backend.model)
+        if tower is None and params.projector_path:
+            raise ValueError(f"{params.projector_path}: not a vision projector")
         if tower is not None:
             tower.reserve()
     except BaseException:

@@ -61,6 +61,7 @@ class LlamaServer:
         self.num_parallel = num_parallel
         self.config = config
         self.memory = BackendMemory()
+        self.projector_path = ""  # the model's separate vision projector (an mmproj layer in the store), if any
         self._exit_callbacks: list[Callable[[], None]] = []
         self._loop = asyncio.get_running_loop()
         self._closed = False
@@ -73,10 +74,12 @@ class LlamaServer:
     ) -> LlamaServer:
         if adapters:
             raise RunnerError("this engine does not support LoRA adapters yet")
-        if projectors:
-            raise RunnerError("this engine does not support vision projectors yet")
+        if len(projectors) > 1:
+            raise RunnerError("this engine runs one vision projector per model")
         handle = RunnerHandle.start(model_path, env=visible_devices_env(gpus), rpc_servers=config.rpc_servers)
-        return cls(handle, model_path, info, options, num_parallel, config)
+        server = cls(handle, model_path, info, options, num_parallel, config)
+        server.projector_path = projectors[0] if projectors else ""
+        return server
 
     # ------------------------------------------------------------ process
 
@@ -133,6 +136,7 @@ class LlamaServer:
                                   os.path.getsize(self.model_path)),
             gpu_overhead=self.config.gpu_overhead,
             sched_spread=self.config.sched_spread,
+            projector_path=self.projector_path,
         )
 
     async def load(self, system_info: SystemInfo, gpus: Sequence[DeviceInfo], require_full: bool) -> list[DeviceID]:
