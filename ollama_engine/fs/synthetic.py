@@ -454,7 +454,7 @@ PRESETS: dict[str, ModelSpec] = {
     ),
     # olmo2 as OLMo 3: sliding-window layers (a window of 8, every third layer global) and YaRN on the global ones;
     # layout "ollama" writes it as Ollama's converter does (architecture olmo3, the pattern as one flag per layer)
-    # gemma4: sliding layers 0-2 and 4 (heads of 16, 2 KV heads, window 8), global 3 and 5 (heads of 32, one KV
+    # gemma4: sliding layers 0-2 and 4 (heads of 64, 2 KV heads, window 8), global 3 and 5 (heads of 128, one KV
     # head, no attn_v, a quarter of each head turned by proportional RoPE); layers 4 and 5 read layers 2's and
     # 3's keys and values and have FFNs twice as wide; per-layer embeddings of 32; final logits capped at 10
     "tiny-gemma4": ModelSpec(
@@ -465,15 +465,15 @@ PRESETS: dict[str, ModelSpec] = {
         n_head_kv=1,
         n_ff=128,
         vocab="llama-spm",
-        head_dim=32,
+        head_dim=128,
         context_length=512,
         rope_base=1000000.0,
         rope_base_swa=10000.0,
         eps=1e-6,
         sliding_window=8,
         final_softcap=10.0,
-        gemma4=Gemma4Spec(swa=(True, True, True, False, True, False), head_dim_swa=16, n_head_kv_swa=2,
-                          rope_dims_swa=16, rotated_global=4, shared_kv_layers=2, n_embd_per_layer=32,
+        gemma4=Gemma4Spec(swa=(True, True, True, False, True, False), head_dim_swa=64, n_head_kv_swa=2,
+                          rope_dims_swa=64, rotated_global=16, shared_kv_layers=2, n_embd_per_layer=32,
                           k_eq_v_global=True, double_wide=True),
         name="tiny-gemma4",
     ),
