@@ -90,7 +90,8 @@ class Model:
     reuse_graphs = False
     """True when every graph input forward() creates, apart from the cache's, is a batch array named
     after it (see graphs.BATCH_INPUTS), or one of batch_inputs(): then a built graph can serve later batches
-    of the same shape."""
+    of the same shape. graphs.stale_inputs() finds an input left out (tests/test_graph_inputs.py runs it on
+    every architecture's tiny preset)."""
 
     @classmethod
     def unused_tensors(cls, config: Config) -> Callable[[str], bool]:
