@@ -19,6 +19,9 @@ from ollama_engine.ml.memory import FlashAttention, resolve_flash_attention
 from ollama_engine.runner.allocate import LoadParams, open_model
 
 CACHE_TYPES = ["", "q8_0", "q4_0"]
+# the largest logprob difference F16 queries may make; gemma3n's 22 layers and AltUp's streams carry it further
+# (0.12 measured; its flash logits equal llama.cpp's flash logits bitwise, see test_gemma3n)
+QUERY_ROUNDING = {"gemma3n": 0.2}
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +67,8 @@ def test_auto_turns_it_on_and_computes_what_matmul_attention_does(models: dict[t
         assert on, f"{arch} {cache_type or 'f16'}: auto left flash attention off"
         assert np.isfinite(fused).all()
         if cache_type == "":  # the same F16 cache: F16 rounding of the queries apart, the same result
-            assert np.abs(fused - plain).max() < 0.1, (arch, float(np.abs(fused - plain).max()))
+            worst = float(np.abs(fused - plain).max())
+            assert worst < QUERY_ROUNDING.get(arch, 0.1), (arch, worst)
             assert (fused.argmax(axis=-1) == plain.argmax(axis=-1)).mean() > 0.9
 
 
