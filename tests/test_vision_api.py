@@ -5,6 +5,9 @@ loaded and the server keeps serving. Gemma 3 with its tower in Ollama's single f
 from __future__ import annotations
 
 import base64
+import os
+import subprocess
+import sys
 
 import ollama
 import openai
@@ -12,6 +15,7 @@ import pytest
 from serve_process import serve_process
 from test_vision import SPEC, png_bytes, smooth_image
 
+from ollama_engine.api.attach import AttachmentError, attach_images
 from ollama_engine.fs.synthetic import write_synthetic
 from ollama_engine.fs.synthetic_vision import add_vision, write_mmproj
 
@@ -83,3 +87,29 @@ def test_a_model_with_a_separate_mmproj_answers_as_the_single_file(served):
     split = client.generate(model="split", prompt="What is this?", images=[IMAGE], options=GREEDY)
     single = client.generate(model=vision, prompt="What is this?", images=[IMAGE], options=GREEDY)
     assert split.response == single.response and split.prompt_eval_count == single.prompt_eval_count
+
+
+def test_attach_images_takes_image_paths_out_of_the_text(tmp_path):
+    (tmp_path / "a cat.png").write_bytes(IMAGE)
+    (tmp_path / "notes.png").write_bytes(b"not an image")
+    text, attached = attach_images(f"what is in {tmp_path}/a\\ cat.png and ./missing.png?")
+    assert text == "what is in  and ./missing.png?" and attached == [base64.b64encode(IMAGE).decode()]
+    with pytest.raises(AttachmentError, match="invalid file type"):
+        attach_images(f"and {tmp_path}/notes.png")
+
+
+def test_cli_run_attaches_an_image_path(served, tmp_path):
+    """`ollama-engine run MODEL "describe ./cat.png"` sends the file as the message's image, as `ollama run`."""
+    url, vision, text = served
+    (tmp_path / "cat.png").write_bytes(IMAGE)
+    env = {**os.environ, "OLLAMA_HOST": url.removeprefix("http://")}
+
+    def run(model: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "ollama_engine", "run", model, "describe ./cat.png"], cwd=tmp_path,
+                              env=env, capture_output=True, text=True, timeout=300)
+
+    answered = run(vision)
+    assert answered.returncode == 0, answered.stderr
+    assert "Added image" in answered.stderr and answered.stdout.strip()
+    refused = run(text)  # the image did go: a text-only model refuses it
+    assert refused.returncode != 0 and "does not support images" in refused.stderr + refused.stdout

@@ -21,6 +21,8 @@ from typing import Any, BinaryIO, TextIO
 from ollama_engine.envconfig import EnvConfig
 from ollama_engine.store import parse_modelfile
 
+from .attach import AttachmentError, attach_images
+
 UPLOAD_CHUNK = 1 << 20
 
 
@@ -235,9 +237,22 @@ def chat_once(model: str, messages: list[dict[str, Any]], out: Any = sys.stdout)
     return "".join(pieces)
 
 
+def user_message(text: str) -> dict[str, Any]:
+    """A user message, with the image files its text names attached (see attach.py)."""
+    content, images = attach_images(text)
+    for _ in images:
+        print("Added image", file=sys.stderr)
+    return {"role": "user", "content": content, "images": images} if images else {"role": "user", "content": text}
+
+
 def run_run(args: argparse.Namespace) -> int:
     if args.prompt:
-        chat_once(args.model, [{"role": "user", "content": " ".join(args.prompt)}])
+        try:
+            message = user_message(" ".join(args.prompt))
+        except AttachmentError as err:
+            print(f"Error: {err}", file=sys.stderr)
+            return 1
+        chat_once(args.model, [message])
         return 0
     call("POST", "/api/generate", {"model": args.model})  # load first, as `ollama run` does
     messages: list[dict[str, Any]] = []
@@ -251,7 +266,11 @@ def run_run(args: argparse.Namespace) -> int:
             return 0
         if not line.strip():
             continue
-        messages.append({"role": "user", "content": line})
+        try:
+            messages.append(user_message(line))
+        except AttachmentError as err:
+            print(f"Error: {err}", file=sys.stderr)
+            continue
         messages.append({"role": "assistant", "content": chat_once(args.model, messages)})
 
 
