@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 
 import numpy as np
-from llama_reference import Reference, log_softmax
+from llama_reference import Reference, compare_schedule, log_softmax
 from memory_checks import fitted_then_allocated
 from test_batch_invariance import complete, logprob_gap, run_prompts
 
@@ -23,6 +23,19 @@ from ollama_engine.runner.loop import Runner
 TOLERANCE = 1e-4  # on logprobs, as test_architectures
 PROMPTS = ("In a small village by the sea, there lived a fisherman who had three sons",
            "Once upon a time there was a king who ruled")  # past min_position 16: checkpoints are written too
+# (weight_type, sequences, flash) for a dense preset and for its mixture-of-experts sibling; two sequences per
+# batch with quantized weights only (ggml's F16/F32 matmul rounds a decode step of two rows differently from one
+# of one row, in both engines alike)
+DECODING_CASES = [("F32", 1, False), ("F16", 1, True), ("Q8_0", 1, False), ("Q8_0", 2, False), ("Q8_0", 2, True),
+                  ("Q4_0", 2, False)]
+MOE_DECODING_CASES = [("F32", 1, False), ("Q8_0", 2, False), ("Q4_0", 2, True)]
+
+
+def decoding_gap(path: object, sequences: int, flash: bool) -> float:
+    """PROMPTS (two of different lengths in one batch where sequences is 2, split as llama.cpp splits them),
+    then eight decode steps against llama.cpp: the largest logprob difference (the greedy tokens must agree)."""
+    return compare_schedule(path, flash=flash, cache_type="f16", sequences=sequences, steps=8, tolerance=TOLERANCE,
+                            prompts=PROMPTS)
 
 
 def prompt_logprob_gap(path: object) -> float:

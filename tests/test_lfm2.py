@@ -13,15 +13,16 @@ cache's doing; with Q8_0 and Q4_0 weights batched equals solo bitwise in both en
 from __future__ import annotations
 
 import pytest
-from llama_reference import compare_schedule
 from recurrent_checks import (
-    PROMPTS,
+    DECODING_CASES,
+    MOE_DECODING_CASES,
     TOLERANCE,
     assert_a_cache_hit_resumes_from_a_checkpoint,
     assert_batch_loop_gives_batched_the_solo_logprobs,
     assert_batched_equals_solo,
     assert_diff_finds_every_tensor_equal,
     assert_states_fit_and_run,
+    decoding_gap,
     prompt_logprob_gap,
 )
 
@@ -41,35 +42,23 @@ def test_prompt_logits_match(synthetic):
 
 
 @pytest.mark.reference
-@pytest.mark.parametrize(("weight_type", "sequences", "flash"), [
-    ("F32", 1, False), ("F16", 1, True), ("Q8_0", 1, False), ("Q8_0", 2, False), ("Q8_0", 2, True),
-    ("Q4_0", 2, False),
-])
+@pytest.mark.parametrize(("weight_type", "sequences", "flash"), DECODING_CASES)
 def test_greedy_decoding_matches(synthetic, weight_type, sequences, flash):
-    """Prompts (two of different lengths in one batch where sequences is 2, split as llama.cpp splits
-    them), then eight decode steps: logprobs within TOLERANCE, the same greedy tokens."""
-    worst = compare_schedule(synthetic(weight_type), flash=flash, cache_type="f16", sequences=sequences, steps=8,
-                             tolerance=TOLERANCE, prompts=PROMPTS)
-    assert worst < TOLERANCE
+    assert decoding_gap(synthetic(weight_type), sequences, flash) < TOLERANCE
 
 
 @pytest.mark.reference
-@pytest.mark.parametrize(("weight_type", "sequences", "flash"), [("F32", 1, False), ("Q8_0", 2, False),
-                                                                 ("Q4_0", 2, True)])
+@pytest.mark.parametrize(("weight_type", "sequences", "flash"), MOE_DECODING_CASES)
 def test_lfm2moe_greedy_decoding_matches(synthetic, weight_type, sequences, flash):
     """lfm2moe: a dense first layer, then mixtures (sigmoid routing, selection bias, normalised weights)."""
-    worst = compare_schedule(synthetic(weight_type, "lfm2moe"), flash=flash, cache_type="f16", sequences=sequences,
-                             steps=8, tolerance=TOLERANCE, prompts=PROMPTS)
-    assert worst < TOLERANCE
+    assert decoding_gap(synthetic(weight_type, "lfm2moe"), sequences, flash) < TOLERANCE
 
 
 @pytest.mark.reference
 @pytest.mark.parametrize(("weight_type", "sequences", "flash"), [("F32", 1, False), ("Q8_0", 2, True)])
 def test_sliding_window_attention_matches(synthetic, weight_type, sequences, flash):
     """attention.sliding_window 8 (every attention layer slides): prompts and decoding past the window."""
-    worst = compare_schedule(synthetic(weight_type, sliding_window=8), flash=flash, cache_type="f16",
-                             sequences=sequences, steps=8, tolerance=TOLERANCE, prompts=PROMPTS)
-    assert worst < TOLERANCE
+    assert decoding_gap(synthetic(weight_type, sliding_window=8), sequences, flash) < TOLERANCE
 
 
 @pytest.mark.reference

@@ -15,14 +15,14 @@ test_lfm2's reason.
 from __future__ import annotations
 
 import pytest
-from llama_reference import compare_schedule
 from recurrent_checks import (
-    PROMPTS,
+    MOE_DECODING_CASES,
     TOLERANCE,
     assert_batch_loop_gives_batched_the_solo_logprobs,
     assert_batched_equals_solo,
     assert_diff_finds_every_tensor_equal,
     assert_states_fit_and_run,
+    decoding_gap,
     prompt_logprob_gap,
 )
 
@@ -49,22 +49,15 @@ def test_prompt_logits_match(synthetic):
     ("F32", 1, False, {"ssm_groups": 4, "ssm_state": 16, "ssm_inner": 64}),  # as many key heads as value heads
 ])
 def test_greedy_decoding_matches(synthetic, weight_type, sequences, flash, options):
-    """Prompts (two of different lengths in one batch where sequences is 2, split as llama.cpp splits
-    them), then eight decode steps: logprobs within TOLERANCE, the same greedy tokens."""
-    worst = compare_schedule(synthetic(weight_type, **options), flash=flash, cache_type="f16", sequences=sequences,
-                             steps=8, tolerance=TOLERANCE, prompts=PROMPTS)
-    assert worst < TOLERANCE
+    assert decoding_gap(synthetic(weight_type, **options), sequences, flash) < TOLERANCE
 
 
 @pytest.mark.reference
 @pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])
-@pytest.mark.parametrize(("weight_type", "sequences", "flash"), [("F32", 1, False), ("Q8_0", 2, False),
-                                                                 ("Q4_0", 2, True)])
+@pytest.mark.parametrize(("weight_type", "sequences", "flash"), MOE_DECODING_CASES)
 def test_qwen35_greedy_decoding_matches(synthetic, arch, weight_type, sequences, flash):
     """qwen35 and qwen35moe: beta and alpha apart, key heads broadcast in qwen35's order, multimodal RoPE."""
-    worst = compare_schedule(synthetic(weight_type, arch), flash=flash, cache_type="f16", sequences=sequences,
-                             steps=8, tolerance=TOLERANCE, prompts=PROMPTS)
-    assert worst < TOLERANCE
+    assert decoding_gap(synthetic(weight_type, arch), sequences, flash) < TOLERANCE
 
 
 @pytest.mark.reference
