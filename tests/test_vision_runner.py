@@ -15,6 +15,7 @@ from test_vision import SPEC, png_bytes, smooth_image
 from ollama_engine.fs.gguf_file import GGUFFile
 from ollama_engine.fs.synthetic import write_synthetic
 from ollama_engine.fs.synthetic_vision import add_vision, write_mmproj
+from ollama_engine.models import load_model
 from ollama_engine.tokenizer import from_metadata
 
 IMAGE = png_bytes(smooth_image(50, 37, seed=1))
@@ -36,9 +37,11 @@ def runner(files):
     proc = start_runner(model, port)
     client = Client(port)
     try:
+        client.loads = []
         for operation in (0, 1, 2):
-            assert client.json("POST", "/load", {**LOAD, "Operation": operation, "Parallel": 2, "KvSize": 512,
-                                                 "BatchSize": 64})["Success"]
+            client.loads.append(client.json("POST", "/load", {**LOAD, "Operation": operation, "Parallel": 2,
+                                                              "KvSize": 512, "BatchSize": 64}))
+            assert client.loads[-1]["Success"]
         while client.json("GET", "/health")["status"] != 0:
             pass
         yield client
@@ -126,3 +129,22 @@ def test_batched_with_and_without_images_equals_solo(runner):
     for alone, batched in zip(solo, together, strict=True):
         assert [token for token, _ in batched] == [token for token, _ in alone]
         assert max(abs(a - b) for (_, a), (_, b) in zip(alone, batched, strict=True)) < 2e-3
+
+
+def test_the_tower_is_in_the_memory_report_and_fit_equals_alloc(runner, files):
+    """As Ollama's Go engine counted a tower: its weights with the output layer, the larger of the text and the
+    image graph; what fit reports, alloc and commit report too."""
+    from ollama_engine.models.vision import load_vision
+
+    fit, alloc, commit = (load["Memory"] for load in runner.loads)
+    assert fit == alloc == commit
+    tower = load_vision(files["single"], allocate=False)
+    text = load_model(files["text"], allocate=False)
+    try:
+        tower_bytes = sum(tower.backend.memory.cpu.weights) + tower.backend.memory.input_weights
+        assert tower_bytes > 0
+        assert fit["CPU"]["Weights"][-1] == text.backend.memory.cpu.weights[-1] + tower_bytes
+        assert fit["CPU"]["Weights"][:-1] == text.backend.memory.cpu.weights[:-1]
+    finally:
+        tower.close()
+        text.close()

@@ -9,6 +9,7 @@ the same sizes are measured and nothing is allocated.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -59,7 +60,16 @@ class LoadedModel:
 
     @property
     def memory(self) -> BackendMemory:
-        return self.model.backend.memory
+        """The model's report, with its vision tower as Ollama's Go engine counted one: the tower's weights with
+        the output layer, and per device the larger of the text and the image graph."""
+        memory = self.model.backend.memory
+        if self.images is None:
+            return memory
+        tower = self.images.tower.backend.memory
+        combined = dataclasses.replace(memory, cpu=dataclasses.replace(memory.cpu, weights=list(memory.cpu.weights)))
+        combined.cpu.weights[-1] += tower.input_weights + sum(tower.cpu.weights)
+        combined.cpu.graph = max(memory.cpu.graph, tower.cpu.graph)
+        return combined
 
     def load(self, progress: Callable[[float], None] | None = None) -> None:
         """Read the weights: the model's, then its vision tower's."""
