@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -21,6 +21,22 @@ from .native import ApiError, json_response, parse_keep_alive, read_json, schedu
 from .prompt import request_options
 
 TOO_LONG = "the input length exceeds the context length"
+
+
+async def pooled_call(runner: RunnerRef, call: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+    """A pooling runner's answer (/embedding, /rerank) to `call()`, made on one of its slots; its failures as
+    ApiErrors with Ollama's statuses (an input over the context is a 400 with Ollama's words)."""
+    await runner.acquire_slot()
+    try:
+        return await call()
+    except StatusError as err:
+        if err.status == 400 and "too long" in str(err).lower():
+            raise ApiError(400, TOO_LONG) from err
+        raise ApiError(400 if err.status < 500 or err.status == 501 else err.status, str(err)) from err
+    except RunnerFailedError as err:
+        raise ApiError(500, runner.failure or str(err)) from err
+    finally:
+        runner.release_slot()
 
 
 def normalize(vector: Sequence[float]) -> list[float]:
@@ -64,17 +80,7 @@ class EmbedRoutes:
 
     async def _embed_one(self, runner: RunnerRef, text: str) -> dict[str, Any]:
         assert runner.llama is not None
-        await runner.acquire_slot()
-        try:
-            return await runner.llama.embedding(text)  # type: ignore[attr-defined]
-        except StatusError as err:
-            if err.status == 400 and "too long" in str(err).lower():
-                raise ApiError(400, TOO_LONG) from err
-            raise ApiError(400 if err.status < 500 or err.status == 501 else err.status, str(err)) from err
-        except RunnerFailedError as err:
-            raise ApiError(500, runner.failure or str(err)) from err
-        finally:
-            runner.release_slot()
+        return await pooled_call(runner, lambda: runner.llama.embedding(text))  # type: ignore[union-attr]
 
     async def embed_texts(self, entry: Entry, texts: list[str], opts: Options, keep_alive: float | None,
                           truncate: bool = True) -> tuple[list[list[float]], int, float]:

@@ -18,10 +18,10 @@ from typing import Any
 
 from aiohttp import web
 
-from ollama_engine.sched import Context, RunnerFailedError, RunnerRef, Scheduler, StatusError
+from ollama_engine.sched import Context, RunnerRef, Scheduler
 
 from .catalog import Catalog, Entry, ModelNotFoundError
-from .embed import TOO_LONG
+from .embed import pooled_call
 from .native import ApiError, json_response, parse_keep_alive, read_json, schedule
 from .openai import openai_error
 from .prompt import request_options
@@ -104,17 +104,7 @@ class RerankRoutes:
     async def _score(self, runner: RunnerRef, query: str, document: str) -> tuple[float, int]:
         """(relevance score, tokens evaluated) of one pair."""
         assert runner.llama is not None
-        await runner.acquire_slot()
-        try:
-            result = await runner.llama.rerank(query, document)  # type: ignore[attr-defined]
-        except StatusError as err:
-            if err.status == 400 and "too long" in str(err).lower():
-                raise ApiError(400, TOO_LONG) from err
-            raise ApiError(400 if err.status < 500 or err.status == 501 else err.status, str(err)) from err
-        except RunnerFailedError as err:
-            raise ApiError(500, runner.failure or str(err)) from err
-        finally:
-            runner.release_slot()
+        result = await pooled_call(runner, lambda: runner.llama.rerank(query, document))  # type: ignore[union-attr]
         scores = result.get("embedding") or []
         if not scores or math.isnan(scores[0]) or math.isinf(scores[0]):
             raise ApiError(500, f"the reranker returned no finite score: {scores!r}")
