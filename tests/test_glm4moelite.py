@@ -23,7 +23,7 @@ from ollama_engine import diff
 from ollama_engine.fs.synthetic import write_synthetic
 from ollama_engine.kvcache import Batch, cache_dtype
 from ollama_engine.models import ModelError, load_model
-from ollama_engine.models.glm4moelite import OLD_FORMAT, Glm4MoeLite
+from ollama_engine.models.deepseek2 import OLD_FORMAT, Glm4MoeLite
 from ollama_engine.models.moe import Gating
 from ollama_engine.runner.allocate import LoadParams
 
