@@ -14,7 +14,7 @@ from ollama_engine.paths import REPO_ROOT
 # package prefix -> rank; a module imports only from packages of lower or equal rank.
 # fs sits below ml: the backend places the tensors a GGUF file lists.
 LAYERS = [
-    "ollama_engine.ggml", "ollama_engine.fs", "ollama_engine.ml", "ollama_engine.tokenizer",
+    "ollama_engine.ggml", "ollama_engine.fs", "ollama_engine.ml", "ollama_engine.tokenizer", "ollama_engine.image",
     "ollama_engine.kvcache", "ollama_engine.models", "ollama_engine.sample", "ollama_engine.runner",
     "ollama_engine.server", "ollama_engine.llm", "ollama_engine.template", "ollama_engine.store", "ollama_engine.sched",
     "ollama_engine.api",
