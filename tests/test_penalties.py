@@ -315,3 +315,32 @@ def test_openai_penalties_outside_openais_range_are_a_400(server: str, route: st
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and "between -2 and 2" in error["message"]
+
+
+# ---------------------------------------------------------------- with n-gram speculation
+
+
+@pytest.mark.parametrize("seed", [None, 7], ids=["greedy", "sampled"])
+def test_speculation_keeps_penalised_decoding_exact(smollm2_path: Path, seed: int | None):
+    """Drafts are verified row by row, each row sampled after the tokens before it joined the window: the same
+    tokens as plain decoding with the same penalties."""
+    from test_speculative import COPY, Run, assert_accepted, open_runner
+
+    def sampler() -> Sampler:
+        settings = PenaltySettings(last_n=16, repeat=1.1, frequency=0.05)
+        if seed is None:
+            return Sampler(temperature=0, penalties=settings)
+        return Sampler(temperature=0.7, top_k=40, top_p=0.95, seed=seed, penalties=settings)
+
+    runner, loaded = open_runner(smollm2_path)
+    try:
+        plain = Run(runner, COPY, False, sampler=sampler(), num_predict=40)
+        spec = Run(runner, COPY, True, sampler=sampler(), num_predict=40)
+        unpenalised = Run(runner, COPY, False, num_predict=40) if seed is None else None
+    finally:
+        runner.close()
+        loaded.close()
+    assert spec.logprobs == plain.logprobs
+    assert_accepted(spec)
+    if unpenalised is not None:
+        assert plain.text != unpenalised.text, "the penalties changed the greedy text"
