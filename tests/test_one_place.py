@@ -10,7 +10,7 @@ import pytest
 
 from ollama_engine.envconfig import EnvConfig, server_list
 from ollama_engine.llm.runner_handle import runner_command
-from ollama_engine.sched.llama_server import capped_num_predict
+from ollama_engine.runner.sequence import capped_num_predict
 from ollama_engine.sched.types import Context, LlmRequest, Model, Options, RequestQueue, fit_num_ctx
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from ollama_engine.fs import GGUFFile
 from ollama_engine.fs.synthetic import write_synthetic
 
 PARALLEL = 4
@@ -178,6 +179,18 @@ def test_context_shift_or_length(runner):
     # the slot fills up: the batch that would hold one more token is never formed, and (as in Ollama's
     # pipeline) the token being sampled meanwhile is dropped with it
     assert ended["eval_count"] == NUM_CTX - ended["prompt_eval_count"]
+
+
+@pytest.mark.parametrize("num_predict", [-1, 0])
+def test_the_runner_bounds_every_generation(runner, model, num_predict):
+    """Whatever a parent sends (serve caps num_predict as Ollama's does; another parent may not), "no limit"
+    ends after 10 x num_ctx tokens, context shifts included: end-of-generation is biased away, so only the
+    cap can stop it."""
+    client, _ = runner
+    eos = GGUFFile.open(model).metadata["tokenizer.ggml.eos_token_id"]
+    options = {"num_predict": num_predict, "temperature": 0, "logit_bias": {str(eos): -1e9}}
+    _, done = client.complete(PROMPTS[2], options=options)
+    assert done["done_reason"] == 1 and done["eval_count"] == 10 * NUM_CTX
 
 
 def test_prompt_longer_than_context(runner):

@@ -35,7 +35,7 @@ from ollama_engine.runner.allocate import LoadedModel
 from ollama_engine.runner.cache import TO_END, ReprocessInputsError
 from ollama_engine.runner.images import ImageData, ImageStats, batch_embeddings, prompt_inputs
 from ollama_engine.runner.inputs import Input
-from ollama_engine.runner.sequence import DoneReason, Piece, Sequence, SequenceOptions, fit_prompt
+from ollama_engine.runner.sequence import DoneReason, Piece, Sequence, SequenceOptions, capped_num_predict, fit_prompt
 from ollama_engine.runner.speculate import DEFAULT_DRAFT, MAX_DRAFT, Speculator, StepCost, verify_rows
 from ollama_engine.sample import GrammarError, GrammarVocab, NonFiniteLogitsError, calculate_logprobs
 
@@ -103,6 +103,7 @@ class Runner:
         stats = ImageStats()
         inputs = prompt_inputs(prompt, images, self.tokenizer, self.loaded.images, stats)
         inputs, num_keep = fit_prompt(inputs, self.num_ctx, options.num_keep, options.truncate)
+        options.num_predict = capped_num_predict(options.num_predict, self.num_ctx)
         seq = Sequence(inputs=inputs, options=options, num_keep=num_keep, num_prompt_inputs=len(inputs),
                        grammar=matcher, images=stats)
         # the penalties' window starts with the prompt, as llama-server's sampler does

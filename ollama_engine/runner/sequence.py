@@ -45,6 +45,14 @@ class Piece:
     logprobs: list[Logprob]
 
 
+def capped_num_predict(num_predict: int, num_ctx: int | None) -> int:
+    """Ollama's hard limit of 10 × num_ctx generated tokens, so that no request generates without end (-1,
+    and 0 that the runner reads as no limit, get the cap). Serve applies it as Ollama's parent does; the
+    runner applies it again to whatever a parent sends."""
+    limit = 10 * (num_ctx or 0)
+    return limit if limit and not 0 < num_predict <= limit else num_predict
+
+
 @dataclass
 class SequenceOptions:
     """The parts of a completion request the batch loop acts on."""

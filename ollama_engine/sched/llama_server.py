@@ -21,18 +21,12 @@ from ollama_engine.envconfig import EnvConfig
 from ollama_engine.llm.load import LoadOptions, load, mmap_weights
 from ollama_engine.llm.runner_handle import RunnerError, RunnerHandle, visible_devices_env
 from ollama_engine.ml.memory import BackendMemory, DeviceID, DeviceInfo, SystemInfo, resolve_flash_attention
+from ollama_engine.runner.sequence import capped_num_predict
 from ollama_engine.server.wire import ServerStatus
 
 from .types import RUNNER_STOPPED, ModelInfo, Options, RunnerFailedError, StatusError
 
 log = logging.getLogger(__name__)
-
-
-def capped_num_predict(num_predict: int, num_ctx: int | None) -> int:
-    """Ollama's hard limit of 10 × num_ctx tokens, applied here alone: every route's completion passes this
-    way, so no request generates without end (-1, and 0 that the runner reads as no limit, get the cap)."""
-    limit = 10 * (num_ctx or 0)
-    return limit if limit and not 0 < num_predict <= limit else num_predict
 
 
 class _Recorder:
