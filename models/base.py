@@ -92,6 +92,10 @@ class Model:
     after it (see graphs.BATCH_INPUTS), or one of batch_inputs(): then a built graph can serve later batches
     of the same shape. graphs.stale_inputs() finds an input left out (tests/test_graph_inputs.py runs it on
     every architecture's tiny preset)."""
+    rows_alone = True
+    """Compute each sequence's rows of a batch with the kernels its rows alone would get, where a model's
+    float matmuls would otherwise round them by the batch's size (models/alone.py): batched equals solo.
+    llama.cpp's batches do not, so a test replaying llama.cpp's multi-sequence batches turns it off."""
 
     @classmethod
     def unused_tensors(cls, config: Config) -> Callable[[str], bool]:

@@ -38,6 +38,7 @@ from ollama_engine.kvcache import Batch, Causal, Wrapper, attention
 from ollama_engine.ml import Backend, Context, RopeOptions, Tensor
 from ollama_engine.tokenizer import Tokenizer
 
+from .alone import sequence_rows
 from .base import Model, ModelError, bind, register, require_uint, weight
 from .moe import Gating, Routing, bind_experts, moe
 from .rope import yarn_options
@@ -228,6 +229,7 @@ class Laguna(Model):
         self.layers = [bind(Layer, backend, f"blk.{i}.") for i in range(o.block_count)]
         self.experts = {}
         self.routing = None
+        self._rows: tuple[int, ...] = ()  # the batch's rows per sequence, while its graph is built
         if not all(o.dense):
             gating = self.config.get_uint("expert_gating_func", 0)
             if gating not in GATING:
@@ -318,7 +320,7 @@ class Laguna(Model):
     def feed_forward(self, layer: Layer, x: Tensor, i: int) -> Tensor:
         if self.options.dense[i]:
             return _swiglu(x, layer.ffn_gate, layer.ffn_up, layer.ffn_down, i)
-        out = moe(x, self.experts[i], self.routing, i)
+        out = moe(x, self.experts[i], self.routing, i, rows=self._rows if self.rows_alone else ())
         shared = _swiglu(x, layer.ffn_gate_shexp, layer.ffn_up_shexp, layer.ffn_down_shexp, i)
         return out.add(shared.set_name(f"ffn_shexp-{i}"))
 
@@ -326,6 +328,7 @@ class Laguna(Model):
         if batch.tokens is None:
             raise ValueError("a text model's batch needs token ids")
         o = self.options
+        self._rows = sequence_rows(batch.sequences)  # the graph is reused only for batches of this layout
         inputs = ctx.input()
         positions = inputs.from_numpy(batch.positions).set_name("positions")
         h = self.weights.token_embd.rows(inputs.from_numpy(batch.tokens).set_name("tokens")).set_name("embd")
@@ -340,6 +343,7 @@ class Laguna(Model):
                 if outputs is None:
                     return None  # the cache holds the keys and values; nothing else is wanted
                 x, h = x.rows(outputs), h.rows(outputs)
+                self._rows = sequence_rows(batch.sequences[batch.outputs])
             h = x.add(h).set_name(f"ffn_inp-{i}")
             x = self.feed_forward(layer, h.rms_norm(layer.ffn_norm, o.eps).set_name(f"ffn_norm-{i}"), i)
             h = x.set_name(f"ffn_out-{i}").add(h).set_name(f"l_out-{i}")

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from ollama_engine.fs import Config
 from ollama_engine.ml import Backend, Tensor
 
+from .alone import matmul_alone
 from .base import ModelError, bind, require_uint, weight
 
 
@@ -114,16 +115,18 @@ Activation = Callable[[Tensor, Tensor | None], Tensor]
 
 
 def moe(x: Tensor, experts: Experts, routing: Routing, layer: int, activation: Activation = Tensor.silu, *,
-        router_input: Tensor | None = None, gate_up_halves: bool = False) -> Tensor:
+        router_input: Tensor | None = None, gate_up_halves: bool = False, rows: Sequence[int] = ()) -> Tensor:
     """The mixture's output (n_embd, n) for the normed hidden states x (n_embd, n).
 
     router_input: what the router reads where it is not x (Gemma 4 routes on its own norm of the residual).
     gate_up_halves: a fused gate_up stack holds gate then up in each row's two halves (llama.cpp's layout),
     not interleaved rows (Ollama's gpt-oss).
+    rows: the batch's rows per sequence (alone.sequence_rows): a float router then rounds each sequence's
+    logits as its batch alone would (alone.matmul_alone); without them the router is one product.
     """
     n_embd, n = x.ne[0], x.ne[1]
     r = routing
-    logits = experts.router.matmul(x if router_input is None else router_input)  # (n_expert, n)
+    logits = matmul_alone(experts.router, x if router_input is None else router_input, rows)  # (n_expert, n)
     logits.set_name(f"ffn_moe_logits-{layer}")
     if experts.router_bias is not None:
         logits = logits.add(experts.router_bias)

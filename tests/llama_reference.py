@@ -93,6 +93,7 @@ def compare_schedule(path: Path, *, flash: bool, cache_type: str, sequences: int
     the rest in a second graph), and ggml's kernels round a row differently in batches of other sizes on
     some CPUs: so both engines are fed llama.cpp's split (`equal_shares`), batch for batch."""
     model = load_model(path, num_threads=threads, flash_attention=flash)
+    model.rows_alone = False  # llama.cpp rounds a row by its whole batch's size: replay that, batch for batch
     model.backend.load()
     model.cache.init(model.backend, cache_dtype(cache_type), sequences, 512, 64,
                      value_dtype=cache_dtype(value_cache_type or cache_type))

@@ -25,6 +25,7 @@ from test_batch_invariance import logprob_gap, run_prompts
 from ollama_engine import diff
 from ollama_engine.fs.synthetic import PRESETS, write_synthetic
 from ollama_engine.kvcache import Batch, Causal, Wrapper, cache_dtype
+from ollama_engine.ml import TensorCapture
 from ollama_engine.models import ModelError, load_model
 from ollama_engine.models.laguna import Laguna
 from ollama_engine.models.moe import Gating
@@ -235,6 +236,43 @@ def test_the_batch_loop_gives_batched_the_solo_logprobs(synthetic):
     solo = run_prompts(synthetic("xs2", "Q8_0"), 2, False, concurrent=False)
     batched = run_prompts(synthetic("xs2", "Q8_0"), 2, False, concurrent=True)
     assert max(logprob_gap(a, b) for a, b in zip(solo, batched, strict=True)) == 0.0
+
+
+def routed(path: Path, batches: list[Batch]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """The last batch's logits and router logits (every mixture layer's ffn_moe_logits), after the others."""
+    model = load_model(path, num_threads=2)
+    try:
+        model.backend.load()
+        model.cache.init(model.backend, cache_dtype("f16"), 2, 256, 32)
+        for batch in batches[:-1]:
+            model.graphs.compute(batch)
+        taken: dict[str, np.ndarray] = {}
+        with model.backend.eval_callback(TensorCapture(lambda name: name.startswith("ffn_moe_logits"),
+                                                       lambda name, values: taken.__setitem__(name, values.copy()))):
+            logits = model.graphs.compute(batches[-1])
+        return logits, taken
+    finally:
+        model.close()
+
+
+def test_a_decode_step_batched_with_a_prompt_routes_as_alone(synthetic):
+    """The F32 router (quantized files keep ffn_gate_inp F32) of one decode row next to another sequence's
+    prompt rows: ggml would take llamafile's sgemm for the batch and the per-row dot product for the step
+    alone, a last-bit difference that moves expert weights (it swapped top logprobs on an AVX2 CPU). Each
+    sequence's rows get their own kernel (models/alone.py): router logits and logits bitwise the solo ones."""
+    path = synthetic("xs2", "Q8_0")
+    first = Batch(positions=range(10), sequences=[0] * 10, outputs=[9], tokens=np.arange(10) + 100)
+    prompt = np.arange(9) + 300
+    mixed, mixed_router = routed(path, [first, Batch(positions=[10, *range(9)], sequences=[0] + [1] * 9,
+                                                     outputs=[0, 9], tokens=[7, *prompt])])
+    step, step_router = routed(path, [first, Batch(positions=[10], sequences=[0], outputs=[0], tokens=[7])])
+    alone, alone_router = routed(path, [Batch(positions=range(9), sequences=[1] * 9, outputs=[8], tokens=prompt)])
+    assert set(mixed_router) == set(step_router) == {"ffn_moe_logits-1", "ffn_moe_logits-2", "ffn_moe_logits-3"}
+    for name, values in mixed_router.items():  # one row per expert (the last layer keeps the output rows only)
+        rows = values.reshape(-1, 8)
+        np.testing.assert_array_equal(rows[:1], step_router[name].reshape(-1, 8), err_msg=name)
+        np.testing.assert_array_equal(rows[1:], alone_router[name].reshape(-1, 8), err_msg=name)
+    np.testing.assert_array_equal(mixed, np.concatenate([step, alone]))
 
 
 @pytest.mark.parametrize("flash", [False, True])
