@@ -394,7 +394,8 @@ class Causal:
         used[removed] = False
         if moved.any():
             pos[moved] += begin - end
-            self._shift_keys(cells.start + np.flatnonzero(moved), begin - end)
+            kept = np.flatnonzero(used)  # the unmoved keys are turned by 0: see _shift_keys
+            self._shift_keys(cells.start + kept, np.where(moved[kept], begin - end, 0).astype(np.int32))
             if removed.any():  # llama.cpp's seq_rm: the search starts again at the first freed cell
                 self._heads[seq] = min(self._heads[seq], int(removed.argmax()))
         else:
@@ -408,8 +409,16 @@ class Causal:
             return 0
         return (int(np.where(used, self._pos[cells], -1).argmax()) + 1) % self._region
 
-    def _shift_keys(self, cells: np.ndarray, offset: int) -> None:
-        """Re-rotate the keys of these (sorted) cells by `offset`, at most max_batch cells per graph."""
+    def _shift_keys(self, cells: np.ndarray, offsets: np.ndarray) -> None:
+        """Re-rotate the keys of these (sorted) cells, each by its offset, at most max_batch cells per graph.
+
+        A shift turns every key its sequence keeps, those that did not move by 0, as llama.cpp's shift graph
+        does (it ropes every cell, k_shift 0 where none moved) and Ollama's Causal.shift over a sequence's
+        range: with YaRN a rotation by 0 still multiplies by the magnitude ggml's RoPE applies (attention
+        factor times 1 + 0.1 ln(factor)), so the kept keys get llama.cpp's scale too (without it a tiny
+        laguna's logprobs after a shift were 0.29 from llama.cpp's). llama.cpp also scales the keys of every
+        other sequence (its graph covers all streams); ours are left alone, so a shift stays its sequence's.
+        """
         assert self._shift_fn is not None
         i = 0
         while i < len(cells):
@@ -417,7 +426,7 @@ class Causal:
             j = int(np.searchsorted(cells, start + self._max_batch))
             stop = int(cells[j - 1]) + 1
             deltas = np.zeros(stop - start, dtype=np.int32)
-            deltas[cells[i:j] - start] = offset
+            deltas[cells[i:j] - start] = offsets[i:j]
             with self._backend.new_context() as ctx:
                 delta_tensor = ctx.input().from_numpy(deltas)
                 for layer, keys in self._keys.items():

@@ -196,14 +196,14 @@ def test_matches_llama_cpp(synthetic, variant, weight_type, sequences, flash, st
 
 
 @pytest.mark.reference
-def test_a_context_shift_matches_llama_cpps(synthetic):
+@pytest.mark.parametrize("variant", ["xs2-unscaled", "xs2", "m1"])
+def test_a_context_shift_matches_llama_cpps(synthetic, variant):
     """Positions 2-3 removed and the later keys moved down by RoPE (each layer's own: the full layers' partial
     rotation and theta, the sliding layers' whole-head one), as llama.cpp's seq_rm + seq_add do: the next
     tokens' logprobs within the tolerance of llama.cpp's (measured: 0.0) and the same greedy tokens.
 
-    Without YaRN: with it, llama.cpp's shifted NeoX keys differ from ours (0.29 in these logprobs; 0.03 and 0.1
-    for gpt-oss and OLMo 3 too, 0 for mistral3's normal RoPE), while the forward passes agree bitwise."""
-    variant = "xs2-unscaled"
+    With YaRN (xs2, m1) the kept keys are turned by 0 as llama.cpp's shift graph turns them, which scales them
+    by YaRN's magnitude (kvcache/causal.py _shift_keys); before that they differed by 0.29 in these logprobs."""
     path = synthetic(variant, "F16")
     model = load_model(path, num_threads=1)
     reference = Reference(path, n_ctx=512, n_batch=64, threads=1)
