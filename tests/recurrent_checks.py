@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 
 import numpy as np
+from decoding import decode_together
 from llama_reference import Reference, compare_schedule, log_softmax
 from memory_checks import fitted_then_allocated
 from test_batch_invariance import complete, logprob_gap, run_prompts
@@ -67,18 +68,7 @@ def greedy(model, seqs: list[int], steps: int = 12) -> dict[int, list[np.ndarray
     """Each sequence's logits after its prompt and `steps` greedy steps, sequences batched together."""
     for s in seqs:
         model.cache.remove(s, 0)
-    texts = {s: model.tokenizer.encode(PROMPTS[s], add_special=True) for s in seqs}
-    batch = Batch(positions=[p for s in seqs for p in range(len(texts[s]))],
-                  sequences=[s for s in seqs for _ in texts[s]],
-                  outputs=np.cumsum([len(texts[s]) for s in seqs]) - 1, tokens=[t for s in seqs for t in texts[s]])
-    logits: dict[int, list[np.ndarray]] = {s: [] for s in seqs}
-    for _ in range(steps):
-        for s, row in zip(seqs, model.graphs.compute(batch), strict=True):
-            logits[s].append(row)
-            texts[s].append(int(row.argmax()))
-        batch = Batch(positions=[len(texts[s]) - 1 for s in seqs], sequences=seqs, outputs=range(len(seqs)),
-                      tokens=[texts[s][-1] for s in seqs])
-    return logits
+    return decode_together(model, PROMPTS, seqs, steps)
 
 
 def assert_batched_equals_solo(path: object, flash: bool) -> None:

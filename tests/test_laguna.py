@@ -16,6 +16,7 @@ import re
 import sys
 from pathlib import Path
 
+import decoding
 import numpy as np
 import pytest
 from llama_reference import Reference, compare_schedule, log_softmax
@@ -60,24 +61,7 @@ def synthetic(tmp_path_factory: pytest.TempPathFactory):
 def greedy(path: Path, seqs: list[int], steps: int = 12, flash: bool = False) -> dict[int, list[np.ndarray]]:
     """Each sequence's logits over its prompt's last token and `steps - 1` greedy decode steps, the sequences
     prefilled in one batch and decoded together; prompts and steps outgrow the window of 8."""
-    model = load_model(path, num_threads=1, flash_attention=flash)
-    try:
-        model.backend.load()
-        model.cache.init(model.backend, cache_dtype("f16"), 2, 256, 32)
-        texts = {s: model.tokenizer.encode(PROMPTS[s], add_special=True) for s in seqs}
-        batch = Batch(positions=[p for s in seqs for p in range(len(texts[s]))],
-                      sequences=[s for s in seqs for _ in texts[s]],
-                      outputs=np.cumsum([len(texts[s]) for s in seqs]) - 1, tokens=[t for s in seqs for t in texts[s]])
-        logits: dict[int, list[np.ndarray]] = {s: [] for s in seqs}
-        for _ in range(steps):
-            for s, row in zip(seqs, model.graphs.compute(batch), strict=True):
-                logits[s].append(row)
-                texts[s].append(int(row.argmax()))
-            batch = Batch(positions=[len(texts[s]) - 1 for s in seqs], sequences=seqs, outputs=range(len(seqs)),
-                          tokens=[texts[s][-1] for s in seqs])
-        return logits
-    finally:
-        model.close()
+    return decoding.greedy(path, PROMPTS, seqs, steps, flash)
 
 
 def test_reads_the_layer_pattern_heads_and_rope(synthetic):
