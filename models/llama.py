@@ -8,7 +8,7 @@ makes that copy). Only the rows whose logits are needed leave the last layer's a
 A file with experts (expert_count > 0: Mixtral; mistral3 files alike) has a mixture of experts in
 place of every FFN, as llama.cpp's llama graph routes it (build_moe_ffn with a softmax router and the
 chosen experts' weights renormalised to sum to 1; expert_weights_scale is not read, as llama.cpp does
-not read it for llama): its layers are `MoeLayer`s and their experts are bound apart (moe.bind_experts).
+not read it for llama): its layers are `LlamaMoeLayer`s and their experts are bound apart (moe.bind_experts).
 
 The layers' tensors are layers.LlamaLayer's (LlamaMoeLayer's with experts), which other Llama-shaped
 architectures share. Mistral 3 (Mistral3, below) is this model with YaRN and a query temperature.
@@ -28,8 +28,7 @@ from .moe import Experts, Gating, Routing, bind_experts, moe
 from .options import Options
 from .rope import yarn_options
 
-Weights, Layer, MoeLayer = Output, LlamaLayer, LlamaMoeLayer  # the names other modules used
-__all__ = ["Layer", "Llama", "MoeLayer", "Options", "Weights"]
+__all__ = ["Llama", "Mistral3"]
 
 
 @register("llama")
@@ -47,7 +46,8 @@ class Llama(Model):
         if mixture:
             self.routing = Routing.from_config(self.config, Gating.SOFTMAX, normalize=True)
             self.experts = [bind_experts(backend, i, self.routing, o.hidden) for i in range(o.block_count)]
-        self.layers = [bind(MoeLayer if mixture else Layer, backend, f"blk.{i}.") for i in range(o.block_count)]
+        layer = LlamaMoeLayer if mixture else LlamaLayer
+        self.layers = [bind(layer, backend, f"blk.{i}.") for i in range(o.block_count)]
         self.cache = Causal(self.shift)
 
     def rope(self, x: Tensor, positions: Tensor, layer: int) -> Tensor:
@@ -58,18 +58,18 @@ class Llama(Model):
     def shift(self, ctx: Context, layer: int, key: Tensor, delta: Tensor) -> Tensor:
         return self.rope(key, delta, layer)
 
-    def qkv(self, layer: MoeLayer, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def qkv(self, layer: LlamaMoeLayer, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Query (head_dim, heads, n), key and value (head_dim, kv_heads, n), before RoPE."""
         o = self.options
         return (heads(x, layer.attn_q, None, o.head_dim, o.heads), heads(x, layer.attn_k, None, o.head_dim, o.kv_heads),
                 heads(x, layer.attn_v, None, o.head_dim, o.kv_heads))
 
-    def feed_forward(self, layer: MoeLayer, x: Tensor, i: int) -> Tensor:
+    def feed_forward(self, layer: LlamaMoeLayer, x: Tensor, i: int) -> Tensor:
         """Layer i's FFN of the normed hidden states x: its mixture of experts, or SwiGLU."""
         experts = self.experts[i]
         if experts is not None and self.routing is not None:
             return moe(x, experts, self.routing, i)
-        assert isinstance(layer, Layer)
+        assert isinstance(layer, LlamaLayer)
         return ffn(x, layer.ffn_gate, layer.ffn_up, layer.ffn_down, i)
 
     def forward(self, ctx: Context, batch: Batch) -> Tensor | None:

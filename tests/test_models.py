@@ -16,7 +16,9 @@ from ollama_engine.generate import generate, prefill
 from ollama_engine.kvcache import Batch
 from ollama_engine.ml import Backend, DType
 from ollama_engine.models import REGISTRY, ModelError, bind, load_model, model_class, registry_name
-from ollama_engine.models.llama import Layer, Llama, Options
+from ollama_engine.models.layers import LlamaLayer
+from ollama_engine.models.llama import Llama
+from ollama_engine.models.options import Options
 from ollama_engine.models.qwen2 import Qwen2, Qwen2Layer
 from ollama_engine.models.qwen3 import Qwen3
 
@@ -80,7 +82,7 @@ def test_unknown_architecture_is_an_error_naming_it():
 
 def test_bind_fills_fields_and_leaves_missing_optional_tensors_none(synthetic):
     with Backend(GGUFFile.open(synthetic("llama")), allocate=False) as backend:
-        layer = bind(Layer, backend, "blk.1.")
+        layer = bind(LlamaLayer, backend, "blk.1.")
         assert layer.attn_q is backend.get("blk.1.attn_q.weight")
         assert layer.rope_freqs is backend.get("blk.1.rope_freqs.weight") is not None  # tiny-llama has them
     with Backend(GGUFFile.open(synthetic("qwen2")), allocate=False) as backend:
