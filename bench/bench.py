@@ -60,6 +60,8 @@ from typing import Any
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the synthetic models
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 OUT = HERE / "out"
@@ -117,8 +119,7 @@ def random_q4_k_blocks() -> contextlib.AbstractContextManager[None]:
     from unittest import mock
 
     import gguf
-
-    from ollama_engine.fs import synthetic
+    from synthetic import models as synthetic
 
     original = synthetic._values
     # d and dmin: a weight is d * scale * q - dmin * min, zero on average with dmin = 7.5 d (q averages 7.5)
@@ -138,8 +139,9 @@ def random_q4_k_blocks() -> contextlib.AbstractContextManager[None]:
 
 def ensure_model(name: str) -> Path:
     """The synthetic model's file in bench/out/, written on first use."""
+    from synthetic.models import write_synthetic
+
     from ollama_engine.fs import GGUFFile
-    from ollama_engine.fs.synthetic import write_synthetic
 
     preset, weight_type, overrides = MODELS[name]
     path = OUT / f"{name}-{weight_type}.gguf"

@@ -20,11 +20,13 @@ from pathlib import Path
 
 import numpy as np
 
-from ollama_engine.fs.synthetic import ARCHITECTURES, write_synthetic
 from ollama_engine.kvcache import Batch
 from ollama_engine.ml import DType
 from ollama_engine.models import load_model
 from ollama_engine.runner.exact import resume_point, row_kernels
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the synthetic models
+from synthetic.models import ARCHITECTURES, write_synthetic  # noqa: E402
 
 TURN1 = "Tell me a short story about a lighthouse keeper and a storm at sea, in a few sentences."
 TURN2 = " And what happened to the keeper's cat the next morning?"

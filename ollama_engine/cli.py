@@ -18,7 +18,7 @@ COMMAND_MODULES: tuple[tuple[str, str, frozenset[str]], ...] = (
     ("ollama_engine.server.cli", "add_runner_command", frozenset({"runner"})),
     ("ollama_engine.llm.plan", "add_plan_command", frozenset({"plan"})),
     ("ollama_engine.diff", "add_diff_command", frozenset({"diff"})),
-    ("ollama_engine.api.cli", "add_serve_commands", frozenset({"serve", "stop", "ps"})),
+    ("ollama_engine.api.serve_command", "add_serve_commands", frozenset({"serve", "stop", "ps"})),
     ("ollama_engine.api.client_cli", "add_client_commands",
      frozenset({"run", "list", "show", "create", "cp", "rm", "pull"})),
 )

@@ -3,7 +3,8 @@
 Starts serve (Ollama's API and the scheduler) on a free loopback port with a fresh model store, creates a
 model from the real SmolLM2-135M-Instruct GGUF (fetched from PyPI once, sha256-pinned) the way
 `ollama create` does (upload the blob, POST /api/create), streams a chat answer from /api/chat, then
-shows /api/ps and the runner's memory table. Offline it falls back to a synthetic model and says so.
+shows /api/ps and the runner's memory table. Offline, with no cached copy of SmolLM2, it uses the smallest
+model of the user's own store (OLLAMA_MODELS) and says so; with none there it asks for a GGUF path.
 """
 
 from __future__ import annotations
@@ -23,44 +24,70 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ollama_engine.envconfig import EnvConfig
-from ollama_engine.fs.synthetic import write_synthetic
 from ollama_engine.ml.memory import human_bytes2
 
 QUESTION = "What is the capital of France? Answer in one sentence."
 NUM_PREDICT = 48
 NUM_CTX = 2048
-SYNTHETIC_PRESET = "tiny-llama"
 REAL_MODEL = "smollm2-135m-instruct"
 
 
-def run_demo(model: str | None, *, num_predict: int = NUM_PREDICT, out: TextIO = sys.stdout,
-             real: bool = True) -> int:
-    """The demo on `model` (a GGUF path); by default the real SmolLM2, or a synthetic model offline."""
-    with tempfile.TemporaryDirectory(prefix="ollama-engine-demo-") as tmp:
-        name = "demo"
-        if model is None:
-            model, name = _choose_model(Path(tmp), real, out)
-        else:
-            print(f"model: {model}", file=out)
-        with _Serve(Path(tmp) / "models") as serve:
-            _demo(serve, Path(model), name, num_predict, out)
+def run_demo(model: str | None, *, name: str = "demo", num_predict: int = NUM_PREDICT,
+             out: TextIO = sys.stdout) -> int:
+    """The demo on `model` (a GGUF path); by default the real SmolLM2, else a model of the user's store."""
+    if model is None:
+        chosen = _choose_model(out)
+        if chosen is None:
+            return 1
+        model, name = chosen
+    else:
+        print(f"model: {model}", file=out)
+    with tempfile.TemporaryDirectory(prefix="ollama-engine-demo-") as tmp, _Serve(Path(tmp) / "models") as serve:
+        _demo(serve, Path(model), name, num_predict, out)
     return 0
 
 
-def _choose_model(tmp: Path, real: bool, out: TextIO) -> tuple[str, str]:
-    if real:
-        from ollama_engine.fs.real_models import RealModelUnavailable, fetch
+def _choose_model(out: TextIO) -> tuple[str, str] | None:
+    """SmolLM2 (fetched once, then cached); offline, the smallest model already in the user's store."""
+    from ollama_engine.fs.real_models import RealModelUnavailable, fetch
 
-        try:
-            path = fetch(REAL_MODEL)
-            print(f"model: SmolLM2-135M-Instruct Q4_1 (real weights) at {path}", file=out)
-            return str(path), "smollm2"
-        except RealModelUnavailable as err:
-            print(f"offline: the real model could not be fetched ({err}); using a synthetic model instead", file=out)
-    path = write_synthetic(tmp / f"{SYNTHETIC_PRESET}.gguf", SYNTHETIC_PRESET)
-    print(f"model: synthetic {SYNTHETIC_PRESET} at {path}", file=out)
-    print("       (its weights are random: expect fluent-looking nonsense, not answers)", file=out)
-    return str(path), "synthetic"
+    try:
+        path = fetch(REAL_MODEL)
+        print(f"model: SmolLM2-135M-Instruct Q4_1 (real weights) at {path}", file=out)
+        return str(path), "smollm2"
+    except RealModelUnavailable as err:
+        print(f"offline: the real model could not be fetched ({err})", file=out)
+    stored = _smallest_stored_model()
+    if stored is None:
+        print("no model at hand: give a GGUF file (`ollama-engine demo PATH.gguf`)", file=out)
+        return None
+    name, path = stored
+    print(f"model: {name} from the store at {path.parent.parent}", file=out)
+    return str(path), name.split(":")[0].replace("/", "-")
+
+
+def _smallest_stored_model() -> tuple[str, Path] | None:
+    """The store's smallest model that can generate (a GGUF with no adapter or projector to add)."""
+    from ollama_engine.store import Store
+    from ollama_engine.store.disk import MEDIA_MODEL
+
+    store = Store(_store_root())
+    candidates = []
+    for name, manifest in store.manifests().items():
+        layers = [layer.media_type for layer in manifest.layers]
+        model = manifest.first(MEDIA_MODEL)
+        if model is None or any(t.endswith(("adapter", "projector")) for t in layers):
+            continue
+        path = store.blob_path(model.digest)
+        if path.is_file():
+            candidates.append((path.stat().st_size, name.display_shortest(), path))
+    return min(candidates)[1:] if candidates else None
+
+
+def _store_root() -> Path:
+    from ollama_engine.store import default_root
+
+    return default_root()
 
 
 class _Serve:

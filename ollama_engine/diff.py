@@ -40,7 +40,7 @@ import numpy as np
 
 from ollama_engine.kvcache import Batch
 from ollama_engine.ml import DType, TensorCapture
-from ollama_engine.ml.backend import default_threads
+from ollama_engine.ml.device import default_threads
 from ollama_engine.models import Model, load_model
 
 TOLERANCE = 1e-3

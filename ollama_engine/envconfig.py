@@ -180,7 +180,7 @@ def model_cache_dir(env: Mapping[str, str] | None = None) -> Path:
 
 
 def huge_pages(env: Mapping[str, str] | None = None) -> str:
-    """OLLAMA_ENGINE_HUGE_PAGES as written (ml/backend.py checks it against the modes it knows)."""
+    """OLLAMA_ENGINE_HUGE_PAGES as written (ml/model_backend.py checks it against the modes it knows)."""
     return _var(_env(env), "OLLAMA_ENGINE_HUGE_PAGES") or "collapse"
 
 

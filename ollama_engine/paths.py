@@ -22,7 +22,3 @@ def llama_cpp_source() -> Path:
         return Path(marker.read_text().strip())
     return SOURCE_ROOT / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"
 
-
-def vocab_dir() -> Path:
-    """llama.cpp's models/ folder: vocab-only GGUFs and their tokenizer test files."""
-    return llama_cpp_source() / "models"

@@ -47,7 +47,7 @@ def stories() -> Path:
 
 def vocab_dir() -> Path:
     """llama.cpp's models/ folder (vocab-only GGUFs), extracted by build_ggml.py."""
-    folder = paths.vocab_dir()
+    folder = paths.llama_cpp_source() / "models"
     if not folder.is_dir():
         missing(f"{folder} is missing: llama.cpp's vocab files come with build_ggml.py's source tree")
     return folder

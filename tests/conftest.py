@@ -34,7 +34,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def synthetic_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """`synthetic_model(arch, weight_type="F32", **options)`: a synthetic GGUF (fs/synthetic.py), written once per
     module for each set of arguments, so that parametrized cases share their files."""
-    from ollama_engine.fs.synthetic import write_synthetic
+    from synthetic.models import write_synthetic
 
     folder = tmp_path_factory.mktemp("synthetic")
     written: dict[str, Path] = {}

@@ -23,8 +23,7 @@ from serve_process import serve_process
 ollama = pytest.importorskip("ollama")
 
 from aiohttp import web  # noqa: E402
-
-from ollama_engine.fs.synthetic import write_synthetic  # noqa: E402
+from synthetic.models import write_synthetic  # noqa: E402
 
 GREEDY = {"num_predict": 8, "temperature": 0}
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
@@ -88,7 +87,7 @@ def test_greedy_chat_equals_llama_cpp_chat_completion(client: ollama.Client, smo
     """The same GGUF and messages through llama.cpp's own chat completion (its Jinja chat formatter)."""
     import llama_cpp
 
-    from ollama_engine.ml.backend import default_threads
+    from ollama_engine.ml.device import default_threads
 
     messages = [{"role": "system", "content": "You are a helpful assistant."},
                 {"role": "user", "content": "Write one sentence about the sea."}]

@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from llama_reference import Reference, compare_schedule
+from synthetic.models import write_synthetic
 
-from ollama_engine.fs.synthetic import write_synthetic
 from ollama_engine.kvcache import Batch
 from ollama_engine.ml import DType
 from ollama_engine.models import ModelError, load_model

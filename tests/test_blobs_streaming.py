@@ -27,7 +27,7 @@ import pytest
 from serve_process import free_port, wait_until_serving
 
 from ollama_engine.store import Store
-from ollama_engine.store.layout import DIGEST_RE
+from ollama_engine.store.disk import DIGEST_RE
 
 MiB = 1 << 20
 BIG = (1 << 30) + 64 * MiB + 7  # over the old 1 GiB body limit

@@ -24,9 +24,9 @@ import numpy as np
 import pytest
 from llama_reference import Reference, compare_schedule
 from memory_checks import fitted_then_allocated
+from synthetic.models import MLASpec, write_synthetic
 
 from ollama_engine import diff
-from ollama_engine.fs.synthetic import MLASpec, write_synthetic
 from ollama_engine.kvcache import Batch, cache_dtype
 from ollama_engine.ml import Backend
 from ollama_engine.models import ModelError, load_model

@@ -5,14 +5,19 @@ from __future__ import annotations
 import io
 import re
 
+from synthetic.models import write_synthetic
+
+from ollama_engine import demo
 from ollama_engine.demo import run_demo
+from ollama_engine.fs.real_models import RealModelUnavailable
+from ollama_engine.store import Store
 
 
-def test_demo_on_a_synthetic_model():
+def test_demo_on_a_synthetic_model(tmp_path):
     out = io.StringIO()
-    assert run_demo(None, num_predict=8, out=out, real=False) == 0
+    model = write_synthetic(tmp_path / "tiny-llama.gguf", "tiny-llama")
+    assert run_demo(str(model), name="synthetic", num_predict=8, out=out) == 0
     text = out.getvalue()
-    assert "weights are random" in text
     assert re.search(r"^serve: listening on http://127\.0\.0\.1:\d+", text, re.M)
     assert re.search(r"^POST /api/blobs/sha256:\S+: 201 ", text, re.M)
     assert re.search(r"^  parsing GGUF\n(.*\n)*  writing manifest\n  success$", text, re.M)
@@ -24,6 +29,35 @@ def test_demo_on_a_synthetic_model():
     # the memory table: every kind of memory the runner reported, and the total
     for row in ("model weights", "kv cache", "compute graph", "total memory"):
         assert re.search(rf"^  {row}\b.*\d+(\.\d)? (B|KiB|MiB|GiB)$", text, re.M), row
+
+
+def _offline(monkeypatch, store_root):
+    def fetch(name):
+        raise RealModelUnavailable("no network")
+
+    monkeypatch.setattr("ollama_engine.fs.real_models.fetch", fetch)
+    monkeypatch.setattr(demo, "_store_root", lambda: store_root)
+
+
+def test_demo_offline_uses_the_smallest_model_of_the_users_store(tmp_path, monkeypatch):
+    store = Store(tmp_path / "models")
+    for name, preset in (("big", "tiny-qwen2"), ("small", "tiny-llama")):
+        path = write_synthetic(tmp_path / f"{name}.gguf", preset)
+        store.create(name, files={path.name: store.add_file(path)})
+    _offline(monkeypatch, store.root)
+    out = io.StringIO()
+    assert run_demo(None, num_predict=4, out=out) == 0
+    text = out.getvalue()
+    assert "offline: the real model could not be fetched (no network)" in text
+    assert re.search(r"^model: small:latest from the store", text, re.M)
+    assert re.search(r"^generated \d+ tokens", text, re.M)
+
+
+def test_demo_offline_with_an_empty_store_asks_for_a_file(tmp_path, monkeypatch):
+    _offline(monkeypatch, tmp_path / "empty")
+    out = io.StringIO()
+    assert run_demo(None, out=out) == 1
+    assert "give a GGUF file (`ollama-engine demo PATH.gguf`)" in out.getvalue()
 
 
 # ---------------------------------------------------------------- dev.py's set-up steps

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from synthetic.models import write_synthetic
 
 from ollama_engine import diff
 from ollama_engine.cli import main
-from ollama_engine.fs.synthetic import write_synthetic
 from ollama_engine.ml import Backend, DType, TensorCapture
 from ollama_engine.models import Model, load_model
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from synthetic.models import write_synthetic
 
-from ollama_engine.fs.synthetic import write_synthetic
 from ollama_engine.models import load_model
 from ollama_engine.models.bert import Pooling
 from ollama_engine.runner.embed import embed

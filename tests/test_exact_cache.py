@@ -12,8 +12,8 @@ import random
 
 import pytest
 
-from ollama_engine.runner.cache import InputCache, InputCacheSlot
 from ollama_engine.runner.exact import UNKNOWN, resume_point, row_kernels
+from ollama_engine.runner.prompt_cache import InputCache, InputCacheSlot
 
 
 def evaluated(begin: int, end: int, batch_size: int) -> bytes:

@@ -26,12 +26,12 @@ import httpx
 import pytest
 from aiohttp import web
 from serve_process import eventually, free_port, generate, pid_alive, serving
+from synthetic.models import write_synthetic
 
 from ollama_engine.envconfig import EnvConfig
-from ollama_engine.fs.synthetic import write_synthetic
 from ollama_engine.sched import scheduler as scheduler_module
 from ollama_engine.store import Store
-from ollama_engine.store.layout import DIGEST_RE
+from ollama_engine.store.disk import DIGEST_RE
 
 FEW = {"num_predict": 2, "temperature": 0}
 

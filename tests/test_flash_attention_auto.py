@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from synthetic.models import ARCHITECTURES, write_synthetic
 
-from ollama_engine.fs.synthetic import ARCHITECTURES, write_synthetic
 from ollama_engine.kvcache import Batch
 from ollama_engine.ml.memory import FlashAttention, resolve_flash_attention
 from ollama_engine.runner.allocate import LoadParams, open_model

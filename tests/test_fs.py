@@ -11,9 +11,9 @@ import assets
 import gguf
 import numpy as np
 import pytest
+from synthetic.models import write_synthetic
 
 from ollama_engine.fs import Config, GGUFError, GGUFFile
-from ollama_engine.fs.synthetic import write_synthetic
 
 # ---------------------------------------------------------------- Config
 

@@ -29,8 +29,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from serve_process import free_port, serve_process
-
-from ollama_engine.fs.synthetic import write_synthetic
+from synthetic.models import write_synthetic
 
 EXAMPLES = int(os.environ.get("FUZZ_API_EXAMPLES", "0"))
 SETTINGS = dict(deadline=None, derandomize=True, database=None,

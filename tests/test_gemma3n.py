@@ -28,11 +28,11 @@ import numpy as np
 import pytest
 from llama_reference import Reference, compare_schedule, llama_kv_report, log_softmax
 from memory_checks import fitted_then_allocated
+from synthetic.models import write_synthetic
 from test_gemma import encode, shift_then_decode
 
 from ollama_engine import diff
 from ollama_engine.fs import GGUFFile
-from ollama_engine.fs.synthetic import write_synthetic
 from ollama_engine.kvcache import Batch, cache_dtype
 from ollama_engine.models import ModelError, load_model
 from ollama_engine.models.gemma3n import Gemma3n

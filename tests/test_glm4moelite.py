@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 from llama_reference import Reference, compare_schedule
 from memory_checks import fitted_then_allocated
+from synthetic.models import write_synthetic
 from test_batch_invariance import logprob_gap, run_prompts
 
 from ollama_engine import diff
-from ollama_engine.fs.synthetic import write_synthetic
 from ollama_engine.kvcache import Batch, cache_dtype
 from ollama_engine.models import ModelError, load_model
 from ollama_engine.models.deepseek2 import OLD_FORMAT, Glm4MoeLite

@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 from serve_process import serve_process
+from synthetic.models import write_synthetic
 from test_grammar import SCHEMA, check_schema
 from test_runner_e2e import Client, completion, free_port, start_runner
 
-from ollama_engine.fs.synthetic import write_synthetic
 from ollama_engine.runner.allocate import LoadParams, open_model
 from ollama_engine.runner.loop import Runner
 from ollama_engine.runner.sequence import DoneReason, SequenceOptions

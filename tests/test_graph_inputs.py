@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from synthetic.models import PRESETS, write_synthetic
 
-from ollama_engine.fs.synthetic import PRESETS, write_synthetic
 from ollama_engine.kvcache import Batch
 from ollama_engine.ml import DType
 from ollama_engine.models import REGISTRY, llama, load_model

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from synthetic.models import write_synthetic
 
-from ollama_engine.fs.synthetic import write_synthetic
 from ollama_engine.kvcache import Batch
 from ollama_engine.ml import Backend, DType
 from ollama_engine.models import load_model

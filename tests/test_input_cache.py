@@ -4,14 +4,14 @@ import time
 
 import pytest
 
-from ollama_engine.runner.cache import (
+from ollama_engine.runner.inputs import Input
+from ollama_engine.runner.prompt_cache import (
     TO_END,
     InputCache,
     InputCacheSlot,
     ReprocessInputsError,
     count_common_prefix,
 )
-from ollama_engine.runner.inputs import Input
 
 
 class FakeShiftError(Exception):

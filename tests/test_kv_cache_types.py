@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from llama_reference import compare_schedule
 from memory_checks import fitted_then_allocated
+from synthetic.models import write_synthetic
 
-from ollama_engine.fs.synthetic import write_synthetic
 from ollama_engine.kvcache import Batch
 from ollama_engine.runner.allocate import LoadParams, open_model
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 from llama_reference import llama_kv_report
+from synthetic.models import write_synthetic
 
-from ollama_engine.fs.synthetic import write_synthetic
 from ollama_engine.runner.allocate import LoadParams, open_model
 
 pytestmark = pytest.mark.reference

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from synthetic.models import write_synthetic
 
 from ollama_engine.fs import GGUFFile
-from ollama_engine.fs.synthetic import write_synthetic
 from ollama_engine.kvcache import (
     Batch,
     CacheConfig,

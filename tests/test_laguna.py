@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 from llama_reference import Reference, compare_schedule, log_softmax
 from memory_checks import fitted_then_allocated
+from synthetic.models import PRESETS, write_synthetic
 from test_batch_invariance import logprob_gap, run_prompts
 
 from ollama_engine import diff
-from ollama_engine.fs.synthetic import PRESETS, write_synthetic
 from ollama_engine.kvcache import Batch, Causal, Wrapper, cache_dtype
 from ollama_engine.ml import TensorCapture
 from ollama_engine.models import ModelError, load_model

@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from synthetic.models import write_synthetic
 
-from ollama_engine.fs.synthetic import write_synthetic
 from ollama_engine.llm.discovery import discover_gpus, system_info
 from ollama_engine.llm.layout import create_layout
 from ollama_engine.llm.load import LoadError, LoadOptions, load

@@ -18,9 +18,9 @@ import numpy as np
 import ollama
 import pytest
 from serve_process import serve_process
+from synthetic.models import write_synthetic
 
 from ollama_engine import ggml
-from ollama_engine.fs.synthetic import write_synthetic
 from ollama_engine.generate import prefill
 from ollama_engine.llm.load import mmap_weights
 from ollama_engine.ml import DType

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from synthetic.models import write_synthetic
 
 from ollama_engine.fs import Config, GGUFFile
-from ollama_engine.fs.synthetic import write_synthetic
 from ollama_engine.generate import generate, prefill
 from ollama_engine.kvcache import Batch
 from ollama_engine.ml import Backend, DType

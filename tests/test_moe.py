@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 from llama_reference import PROMPTS, compare_schedule
 from memory_checks import fitted_then_allocated
+from synthetic.models import write_synthetic
 
 from ollama_engine.fs.gguf_file import Conversion
-from ollama_engine.fs.synthetic import write_synthetic
 from ollama_engine.kvcache import Batch, cache_dtype
 from ollama_engine.ml import Backend
 from ollama_engine.models import load_model
@@ -366,7 +366,7 @@ def test_august_2025_gpt_oss_file_loads_in_chunks_as_ggml_holds_it(synthetic, mo
     """Backend.load converts a chunk of whole blocks at a time (repacked weights whole): with chunks of
     under 1000 bytes and the plain layout, every weight holds the bytes the llama.cpp-named file has."""
     from ollama_engine.fs import GGUFFile
-    from ollama_engine.ml import backend as backend_module
+    from ollama_engine.ml import model_backend as backend_module
 
     monkeypatch.setattr(backend_module, "LOAD_CHUNK", 1000)
     old = GGUFFile.open(synthetic("gpt-oss", "Q8_0", expert_type="MXFP4", layout="ollama-2025-08"))
@@ -387,7 +387,7 @@ def test_august_2025_gpt_oss_file_loads_in_chunks_as_ggml_holds_it(synthetic, mo
 def test_august_2025_gpt_oss_repacked_experts_are_gathered_from_chunks(synthetic, monkeypatch):
     """Experts in the CPU's repacked layout (MXFP4 has one on x86 with AVX2) are converted in chunks and
     written whole: the same logits as the llama.cpp-named file's."""
-    from ollama_engine.ml import backend as backend_module
+    from ollama_engine.ml import model_backend as backend_module
 
     monkeypatch.setattr(backend_module, "LOAD_CHUNK", 1000)
     old = synthetic("gpt-oss", "Q8_0", expert_type="MXFP4", layout="ollama-2025-08")

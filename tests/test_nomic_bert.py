@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from memory_checks import fitted_then_allocated
+from synthetic.models import write_synthetic
 from test_embeddings import LOAD, serve
 
-from ollama_engine.fs.synthetic import write_synthetic
 from ollama_engine.models import ModelError, load_model
 from ollama_engine.models.bert import Pooling
 from ollama_engine.runner.allocate import LoadParams

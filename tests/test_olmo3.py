@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from llama_reference import compare_schedule
 from memory_checks import fitted_then_allocated
+from synthetic.models import write_synthetic
 
 from ollama_engine import diff
-from ollama_engine.fs.synthetic import write_synthetic
 from ollama_engine.kvcache import Batch, Wrapper, cache_dtype
 from ollama_engine.models import load_model
 from ollama_engine.models.olmo2 import Olmo3

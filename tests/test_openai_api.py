@@ -14,9 +14,10 @@ from serve_process import serve_process
 
 openai = pytest.importorskip("openai")
 
+from synthetic.models import write_synthetic  # noqa: E402
+
 from ollama_engine.api.chat import ChatRoutes, collect_chat  # noqa: E402
 from ollama_engine.api.openai import OpenAIRoutes, native_messages  # noqa: E402
-from ollama_engine.fs.synthetic import write_synthetic  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -16,8 +16,9 @@ from serve_process import serve_process
 
 openai = pytest.importorskip("openai")
 
+from synthetic.models import write_synthetic  # noqa: E402
+
 from ollama_engine.api.responses import ResponseStore  # noqa: E402
-from ollama_engine.fs.synthetic import write_synthetic  # noqa: E402
 
 TOOLS_TEMPLATE = """{{- if or .System .Tools }}<|im_start|>system
 {{ if .System }}{{ .System }}{{ else }}You are a helpful AI assistant named SmolLM, trained by Hugging Face{{ end }}

@@ -235,7 +235,7 @@ def llama_cpp_generate(path: Path, penalties: dict[str, Any]) -> tuple[str, int]
     llama-server's init_sampler does); (text, prompt tokens)."""
     import llama_cpp
 
-    from ollama_engine.ml.backend import default_threads
+    from ollama_engine.ml.device import default_threads
 
     threads = default_threads()
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=2048, n_threads=threads, n_threads_batch=threads,

@@ -11,8 +11,8 @@ import json
 from pathlib import Path
 
 import pytest
+from synthetic.models import write_synthetic
 
-from ollama_engine.fs.synthetic import write_synthetic
 from ollama_engine.llm.load import LoadOptions
 from ollama_engine.llm.plan import add_plan_command, make_plan, parse_gpus, parse_size, plan_json, plan_text
 from ollama_engine.ml.memory import GIB, MIB, BackendMemory, DeviceID, GPULayersList, SystemInfo

@@ -12,8 +12,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+from synthetic.models import write_synthetic
 
-from ollama_engine.fs.synthetic import write_synthetic
 from ollama_engine.llm.load import LoadOptions
 from ollama_engine.llm.plan import add_plan_command, make_plan
 from ollama_engine.ml.memory import GIB, MIB, SystemInfo

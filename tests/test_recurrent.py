@@ -14,12 +14,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from synthetic.models import write_synthetic
 
-from ollama_engine.fs.synthetic import write_synthetic
 from ollama_engine.kvcache import Batch, Recurrent, ShiftError, StateError, cache_dtype
 from ollama_engine.models import load_model
-from ollama_engine.runner.cache import TO_END, InputCache, ReprocessInputsError
 from ollama_engine.runner.inputs import Input
+from ollama_engine.runner.prompt_cache import TO_END, InputCache, ReprocessInputsError
 
 A = [int(t) for t in np.random.default_rng(1).integers(100, 5000, 40)]  # token ids of the gpt-2 vocabulary
 B = [int(t) for t in np.random.default_rng(2).integers(100, 5000, 40)]

@@ -18,10 +18,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from serve_process import serve_process
+from synthetic.models import write_synthetic
 from test_embeddings import serve as runner_serve
 
 from ollama_engine.fs import Config, GGUFFile
-from ollama_engine.fs.synthetic import write_synthetic
 from ollama_engine.models import load_model
 from ollama_engine.runner.embed import rerank, rerank_tokens
 

@@ -28,9 +28,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from serve_process import serve_process
+from synthetic.models import write_synthetic
 
 from ollama_engine.fs import GGUFFile
-from ollama_engine.fs.synthetic import write_synthetic
 from ollama_engine.generate import prefill
 from ollama_engine.ggml import rpc
 from ollama_engine.kvcache import Batch

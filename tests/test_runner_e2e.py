@@ -12,9 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from synthetic.models import write_synthetic
 
 from ollama_engine.fs import GGUFFile
-from ollama_engine.fs.synthetic import write_synthetic
 
 PARALLEL = 4
 NUM_CTX = 128

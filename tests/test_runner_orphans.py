@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 from serve_process import free_port, pid_alive, wait_until_serving
+from synthetic.models import write_synthetic
 
 from ollama_engine.envconfig import PARENT_DEATH_SIGNAL_ENV, PARENT_PID_ENV
-from ollama_engine.fs.synthetic import write_synthetic
 
 EXIT_WITHIN = 5.0  # seconds
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from synthetic.models import write_synthetic
 from test_runner_e2e import Client, free_port, start_runner
 
 from ollama_engine.fs.gguf_file import GGUFFile
-from ollama_engine.fs.synthetic import write_synthetic
 from ollama_engine.tokenizer import from_metadata
 
 LOAD = {

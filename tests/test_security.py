@@ -93,7 +93,7 @@ def test_writes_replace_a_symlink_instead_of_following_it(tmp_path: Path) -> Non
     store.write_blob(data, digest)
     assert not blob.is_symlink() and blob.read_bytes() == data
 
-    from ollama_engine.store.layout import write_atomically
+    from ollama_engine.store.disk import write_atomically
 
     manifest = store.manifests_dir / "registry.ollama.ai" / "library" / "m" / "latest"
     manifest.parent.mkdir(parents=True)

@@ -17,9 +17,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 from serve_process import eventually, free_port, generate, pid_alive, serving
+from synthetic.models import write_synthetic
 
 from ollama_engine.envconfig import EnvConfig
-from ollama_engine.fs.synthetic import write_synthetic
 
 OPTIONS = {"num_predict": 4, "temperature": 0}
 

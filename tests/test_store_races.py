@@ -20,9 +20,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from synthetic.models import write_synthetic
 from test_faults import disk_full_after
 
-from ollama_engine.fs.synthetic import write_synthetic
 from ollama_engine.store import InvalidName, Store
 
 HOST300 = "h" * 300  # a valid host part (Ollama allows 350) that cannot be a file name (255)

@@ -9,9 +9,9 @@ import assets
 import gguf
 import numpy as np
 import pytest
+from synthetic.models import PRESETS, resolve_spec, write_synthetic
 
 from ollama_engine.fs import GGUFFile
-from ollama_engine.fs.synthetic import PRESETS, resolve_spec, write_synthetic
 
 
 @pytest.fixture(autouse=True)

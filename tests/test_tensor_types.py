@@ -25,10 +25,10 @@ import gguf
 import numpy as np
 import pytest
 from llama_reference import compare_schedule
+from synthetic.models import WEIGHT_TYPES, write_synthetic
 from test_fs import damaged_copy, tensor_info_fields
 
 from ollama_engine.fs import SUPPORTED_TYPES, GGUFError, GGUFFile
-from ollama_engine.fs.synthetic import WEIGHT_TYPES, write_synthetic
 from ollama_engine.ggml import GGMLType, quantize, requires_importance
 
 TOLERANCE = 1e-4

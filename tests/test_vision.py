@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from synthetic.models import write_synthetic
+from synthetic.vision import VisionSpec, add_vision, write_mmproj
 
-from ollama_engine.fs.synthetic import write_synthetic
-from ollama_engine.fs.synthetic_vision import VisionSpec, add_vision, write_mmproj
 from ollama_engine.image import Filter, ImageError, decode_image, fit_square, resize
 from ollama_engine.paths import REPO_ROOT
 

@@ -13,11 +13,11 @@ import ollama
 import openai
 import pytest
 from serve_process import serve_process
+from synthetic.models import write_synthetic
+from synthetic.vision import add_vision, write_mmproj
 from test_vision import SPEC, png_bytes, smooth_image
 
 from ollama_engine.api.attach import AttachmentError, attach_images
-from ollama_engine.fs.synthetic import write_synthetic
-from ollama_engine.fs.synthetic_vision import add_vision, write_mmproj
 
 IMAGE = png_bytes(smooth_image(50, 37, seed=1))
 GREEDY = {"temperature": 0, "num_predict": 6}

@@ -9,12 +9,12 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from synthetic.models import write_synthetic
+from synthetic.vision import add_vision, write_mmproj
 from test_runner_e2e import LOAD, Client, completion, free_port, start_runner
 from test_vision import SPEC, png_bytes, smooth_image
 
 from ollama_engine.fs.gguf_file import GGUFFile
-from ollama_engine.fs.synthetic import write_synthetic
-from ollama_engine.fs.synthetic_vision import add_vision, write_mmproj
 from ollama_engine.models import load_model
 from ollama_engine.tokenizer import from_metadata
 

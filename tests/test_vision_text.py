@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from llama_reference import log_softmax
+from synthetic.models import write_synthetic
+from synthetic.vision import add_vision, write_mmproj
 from test_vision import IMAGES, MTMD_JPEG, SPEC, THREADS, png_bytes
 
-from ollama_engine.fs.synthetic import write_synthetic
-from ollama_engine.fs.synthetic_vision import add_vision, write_mmproj
 from ollama_engine.kvcache import Batch, cache_dtype
 from ollama_engine.models import Graph, load_model
 from ollama_engine.models.vision import load_vision

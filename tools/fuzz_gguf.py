@@ -43,6 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the synthetic models
+
 ROOT = Path(__file__).resolve().parent.parent
 F16_SEEDS = ("tiny-llama", "tiny-bert")  # the other presets are written with Q4_0 weights
 CASE_TIMEOUT = 60.0  # seconds for one case (a tiny model loads in well under a second)
@@ -57,8 +59,9 @@ FLOATS = (0.0, -0.0, -1.0, 1e-45, 1e38, 3.4e38, math.inf, -math.inf, math.nan)
 
 def write_seeds(directory: Path) -> list[Path]:
     """The seed corpus: one tiny synthetic model per architecture, and the real TinyStories llama."""
+    from synthetic.models import PRESETS, write_synthetic
+
     from ollama_engine.fs import GGUFError, GGUFFile
-    from ollama_engine.fs.synthetic import PRESETS, write_synthetic
 
     directory.mkdir(parents=True, exist_ok=True)
     seeds = []

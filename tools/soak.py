@@ -33,6 +33,8 @@ from typing import Any
 
 import aiohttp
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the synthetic models
+
 ROOT = Path(__file__).resolve().parent.parent
 KEEP_ALIVES: list[Any] = [0, "1s", "5m", -1, None]
 KEEP_ALIVE_WEIGHTS = [1, 1, 4, 2, 4]  # unloads (0, 1s) are rarer: each one costs the next request a load
@@ -71,7 +73,8 @@ def alive(pid: int) -> bool:
 
 def make_store(root: Path) -> None:
     sys.path.insert(0, str(ROOT))
-    from ollama_engine.fs.synthetic import write_synthetic
+    from synthetic.models import write_synthetic
+
     from ollama_engine.store import Store
 
     store = Store(root / "models")

@@ -19,7 +19,7 @@ from typing import Any
 
 import aiohttp
 
-from ollama_engine.store import Layer, Manifest, Store, StoreError, check_digest, layout, parse_name
+from ollama_engine.store import Layer, Manifest, Store, StoreError, check_digest, disk, parse_name
 
 from .native import ApiError
 
@@ -62,7 +62,7 @@ async def pull_model(store: Store, model: str, insecure: bool = False) -> AsyncI
                 yield status
     yield {"status": "verifying sha256 digest"}
     yield {"status": "writing manifest"}
-    layout.write_atomically(manifest_path, [raw])
+    disk.write_atomically(manifest_path, [raw])
     yield {"status": "success"}
 
 
@@ -119,7 +119,7 @@ def _forget(target: Path, download: Download, task: asyncio.Task[None]) -> None:
 async def _download(store: Store, base: str, digest: str, download: Download) -> None:
     """Fetch one blob into a temp file of its own, hashing as it streams; renamed into place when it matches."""
     store.blobs_dir.mkdir(parents=True, exist_ok=True)
-    temp = layout.temp_path(store.blobs_dir, f"pull-{digest[7:19]}")
+    temp = disk.temp_path(store.blobs_dir, f"pull-{digest[7:19]}")
     sha = hashlib.sha256()
     try:
         async with aiohttp.ClientSession(timeout=TIMEOUT) as session, \

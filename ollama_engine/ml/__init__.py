@@ -3,10 +3,10 @@
 Shapes are in ggml order, fastest dimension first (see tensor.py).
 """
 
-from .backend import Backend, Placement, TensorCapture
 from .context import Context
 from .device import Device, cpu_device, devices, gpu_devices
 from .memory import BackendMemory, DeviceID, DeviceMemory, GPULayers, GPULayersList, NoMemory
+from .model_backend import Backend, Placement, TensorCapture
 from .tensor import DType, RopeOptions, ShapeError, Tensor, hadamard_matrix
 
 __all__ = [

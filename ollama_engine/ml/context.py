@@ -28,7 +28,7 @@ from .memory import NoMemory
 from .tensor import DType, ShapeError, Tensor
 
 if TYPE_CHECKING:
-    from .backend import Backend
+    from .model_backend import Backend
 
 
 def _check_shape(shape: tuple[int, ...]) -> tuple[int, ...]:

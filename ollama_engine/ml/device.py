@@ -7,6 +7,7 @@ reports, so that the layout places layers on other hosts as it does on GPUs.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -117,7 +118,6 @@ def serve_rpc(host: str, port: int, threads: int = 0) -> None:
     import sys
     import threading
 
-    from .backend import default_threads
 
     local = ggml_backend.devices()
     served = [d.handle for d in local if d.type != "CPU"] or [d.handle for d in local if d.type == "CPU"]
@@ -137,3 +137,8 @@ def serve_rpc(host: str, port: int, threads: int = 0) -> None:
     while thread.is_alive():
         thread.join(0.5)
     raise failure[0]
+
+
+def default_threads() -> int:
+    """Physical cores are what ggml scales with; without that information use every visible CPU."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

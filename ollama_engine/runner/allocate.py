@@ -22,8 +22,8 @@ from ollama_engine.ml import BackendMemory, Context, GPULayers, gpu_devices
 from ollama_engine.ml.memory import FlashAttention
 from ollama_engine.models import Model, load_model
 from ollama_engine.models.vision import load_vision
-from ollama_engine.runner.cache import InputCache
 from ollama_engine.runner.images import ImageEncoder
+from ollama_engine.runner.prompt_cache import InputCache
 from ollama_engine.runner.speculate import verify_rows
 
 log = logging.getLogger(__name__)

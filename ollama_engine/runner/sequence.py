@@ -14,9 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from ollama_engine.runner.cache import InputCacheSlot
 from ollama_engine.runner.images import ImageStats
 from ollama_engine.runner.inputs import Input
+from ollama_engine.runner.prompt_cache import InputCacheSlot
 from ollama_engine.runner.speculate import Speculator
 from ollama_engine.runner.text import PendingOutput
 from ollama_engine.sample import GrammarMatcher, Logprob, Sampler

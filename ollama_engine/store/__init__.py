@@ -2,7 +2,7 @@
 operations behind /api/tags, show, create, copy, delete and /api/blobs. A store written by Ollama
 works here and one written here works in Ollama (same paths, JSON bytes and digests)."""
 
-from ollama_engine.store.layout import (
+from ollama_engine.store.disk import (
     BadRequest,
     BlobNotFound,
     DigestMismatch,

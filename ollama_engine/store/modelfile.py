@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ollama_engine.store.layout import file_digest
+from ollama_engine.store.disk import file_digest
 from ollama_engine.store.params import DEPRECATED_PARAMETERS, merge_param
 
 COMMANDS = ("from", "license", "template", "system", "adapter", "draft", "renderer", "parser", "parameter",

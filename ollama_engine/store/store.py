@@ -22,8 +22,8 @@ from typing import Any, BinaryIO
 
 from ollama_engine.envconfig import models_dir, noprune
 from ollama_engine.fs import GGUFError, GGUFFile
-from ollama_engine.store import layout
-from ollama_engine.store.layout import (
+from ollama_engine.store import disk
+from ollama_engine.store.disk import (
     CONFIG_MEDIA_TYPE,
     MEDIA_ADAPTER,
     MEDIA_LICENSE,
@@ -129,18 +129,18 @@ class Store:
         else:
             expected = None
         with self.blob_writer(expected) as writer:
-            for chunk in layout.read_chunks(data):
+            for chunk in disk.read_chunks(data):
                 writer.write(chunk)
             return writer.commit(self.blob_path)
 
-    def blob_writer(self, expected_digest: str | None = None) -> layout.BlobWriter:
+    def blob_writer(self, expected_digest: str | None = None) -> disk.BlobWriter:
         """A blob streamed in piece by piece (an upload): a temp file in blobs/, renamed by commit(self.blob_path)
         to its digest's name only when the digest is the expected one."""
-        return layout.BlobWriter(self.blobs_dir, expected_digest)
+        return disk.BlobWriter(self.blobs_dir, expected_digest)
 
     def remove_temp_files(self) -> list[Path]:
         """Temp files left by an interrupted upload, pull or create, or a killed serve (serve's start-up)."""
-        return layout.remove_stale_temp_files(self.root)
+        return disk.remove_stale_temp_files(self.root)
 
     def add_file(self, path: str | os.PathLike[str]) -> str:
         """Copy a local file into the store as a blob (what the CLI uploads before create); its digest."""
@@ -153,8 +153,8 @@ class Store:
         """manifests/<host>/<namespace>/<model>/<tag>; InvalidName (400, no path) for a part longer than a file
         name can be (Ollama allows a 350-character host; the file system does not)."""
         parts = name.parts()
-        if any(len(part.encode()) > layout.NAME_MAX for part in parts):
-            raise InvalidName(f'name "{name}" is invalid: a part is longer than {layout.NAME_MAX} characters')
+        if any(len(part.encode()) > disk.NAME_MAX for part in parts):
+            raise InvalidName(f'name "{name}" is invalid: a part is longer than {disk.NAME_MAX} characters')
         return self.manifests_dir.joinpath(*parts)
 
     def read_manifest(self, name: Name) -> Manifest:
@@ -200,7 +200,7 @@ class Store:
     def write_manifest(self, name: Name, config: Layer, layers: Sequence[Layer]) -> Manifest:
         manifest = Manifest(config, list(layers))
         path = self.manifest_path(name)
-        layout.write_atomically(path, [manifest.to_bytes()])
+        disk.write_atomically(path, [manifest.to_bytes()])
         return Manifest.from_bytes(path.read_bytes(), path)
 
     def lookup(self, model: str) -> tuple[Name, Manifest]:
@@ -317,7 +317,7 @@ class Store:
             return
         if not src_path.is_file():
             raise ModelNotFound(f'model "{source}" not found')
-        layout.write_atomically(dst_path, [src_path.read_bytes()])
+        disk.write_atomically(dst_path, [src_path.read_bytes()])
 
     def delete(self, model: str) -> list[str]:
         """/api/delete: remove the manifest, prune empty folders, delete blobs no other manifest uses.
@@ -344,7 +344,7 @@ class Store:
         protected = {check_digest(d) for d in keep}
         candidates = []
         for path in self.blobs_dir.iterdir():
-            if path.is_file() and layout.DIGEST_RE.fullmatch(path.name):
+            if path.is_file() and disk.DIGEST_RE.fullmatch(path.name):
                 digest = check_digest(path.name)
                 if digest not in protected:
                     candidates.append(digest)
@@ -421,7 +421,7 @@ class Store:
             if not _valid_relative_path(path):
                 raise BadRequest("file path must be relative")
             if not digest:
-                raise layout.InvalidDigest()
+                raise disk.InvalidDigest()
         name = parse_name(model)
         if not name.is_valid():
             raise InvalidName("invalid model name")

@@ -18,7 +18,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType
 
-from .gguf_file import GGUFFile
+from ollama_engine.fs.gguf_file import GGUFFile
 
 
 @dataclass(frozen=True)

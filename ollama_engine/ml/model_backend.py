@@ -32,7 +32,7 @@ from ollama_engine.ggml import GGMLType
 from ollama_engine.ggml import backend as ggml_backend
 from ollama_engine.ggml.backend import TensorCapture
 
-from .device import Device, cpu_device, gpu_devices
+from .device import Device, cpu_device, default_threads, gpu_devices
 from .memory import BackendMemory, DeviceMemory, GPULayers, NoMemory
 from .tensor import Tensor
 
@@ -557,9 +557,4 @@ def read_at(fd: int, offset: int, into: memoryview) -> memoryview:
     return into
 
 
-def default_threads() -> int:
-    """Physical cores are what ggml scales with; without that information use every visible CPU."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-__all__ = ["Backend", "GGMLType", "Placement", "TensorCapture", "default_threads"]
+__all__ = ["Backend", "GGMLType", "Placement", "TensorCapture"]

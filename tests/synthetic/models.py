@@ -1611,10 +1611,11 @@ def _add_hparams(writer: gguf.GGUFWriter, spec: ModelSpec, n_vocab: int, file_ty
 
 def _tokenizer_values(spec: ModelSpec) -> dict[str, tuple[Any, GGUFValueType, GGUFValueType | None]]:
     """tokenizer.* keys of the vocab file with their GGUF types, padded to spec.n_vocab tokens."""
-    vocab_path = paths.vocab_dir() / f"ggml-vocab-{spec.vocab}.gguf"
+    vocab_dir = paths.llama_cpp_source() / "models"
+    vocab_path = vocab_dir / f"ggml-vocab-{spec.vocab}.gguf"
     if not vocab_path.exists():
         available = sorted(
-            p.name[len("ggml-vocab-") : -len(".gguf")] for p in paths.vocab_dir().glob("ggml-vocab-*.gguf")
+            p.name[len("ggml-vocab-") : -len(".gguf")] for p in vocab_dir.glob("ggml-vocab-*.gguf")
         )
         raise ValueError(f"no llama.cpp vocab {spec.vocab!r} ({vocab_path}); available: {available}")
     source = GGUFFile.open(vocab_path)
