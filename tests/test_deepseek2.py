@@ -1,6 +1,6 @@
 """deepseek2 (DeepSeek-V2/V3, multi-head latent attention) against llama.cpp, its cache, memory and bad files.
 
-Three tiny synthetic variants (fs/synthetic.py's tiny-deepseek2 and two overrides):
+Three tiny synthetic variants (tests/synthetic/models.py's tiny-deepseek2 and two overrides):
 - v3: low-rank query, attn_k_b/attn_v_b (the latent cache), sigmoid routing with a selection bias in
   expert groups, normalised and scaled weights, YaRN with yarn_log_multiplier;
 - lite: V2-Lite's direct query (attn_q), softmax routing, no YaRN;

@@ -1,6 +1,6 @@
 """gemma4 (the text model) against llama.cpp: logits, greedy tokens, batching, memory, diff, refusals.
 
-The tiny-gemma4 preset (fs/synthetic.py) has what llama.cpp's gemma4 graph does beyond Gemma 3: sliding
+The tiny-gemma4 preset (tests/synthetic/models.py) has what llama.cpp's gemma4 graph does beyond Gemma 3: sliding
 layers 0-2 and 4 with heads of 64 and 2 KV heads (window 8), global layers 3 and 5 with heads of 128, one
 KV head, no attn_v (the key projection is the value) and proportional RoPE (a quarter of the head turns);
 layers 4 and 5 share the keys and values of layers 2 and 3 (and have FFNs twice as wide); per-layer

@@ -1,6 +1,6 @@
 """laguna (poolside's Laguna) against llama.cpp: gated attention, sliding windows, per-layer heads and RoPE, experts.
 
-Two tiny synthetic variants (fs/synthetic.py's tiny-laguna and an override):
+Two tiny synthetic variants (tests/synthetic/models.py's tiny-laguna and an override):
 - xs2: Laguna-XS.2's shape: layer 0 full attention (YaRN, half of each head turned), layers 1-3 sliding (window
   8, more query heads, whole heads turned by plain RoPE with their own theta), a softplus gate per head;
 - m1: Laguna-M.1's: no sliding window (every layer full), a softplus gate per element.

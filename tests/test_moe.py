@@ -1,6 +1,6 @@
 """Mixtures of experts: the routing against numpy, each MoE architecture against llama.cpp, and memory.
 
-The architectures run on tiny synthetic models (tests/.. fs/synthetic.py presets) through
+The architectures run on tiny synthetic models (tests/synthetic/models.py presets) through
 llama_reference.compare_schedule: two sequences of different lengths prefilled in one batch, then
 eight batches decoding one token for each; every logprob within the tolerance and the same greedy
 tokens at every step.

@@ -1,6 +1,6 @@
 """Fuzz the GGUF reader and model loading with damaged files: every case must end in a clear error or a valid load.
 
-Each case is a seed model (every tiny synthetic preset of fs/synthetic.py, the real TinyStories llama) with
+Each case is a seed model (every tiny synthetic preset of tests/synthetic/models.py, the real TinyStories llama) with
 1 to 3 mutations, drawn from a seeded random generator so that a case number always gives the same file:
 
 - bytes: truncation, flipped bytes, inserted or deleted bytes (mostly in the header, metadata and tensor infos);
