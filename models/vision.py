@@ -112,6 +112,11 @@ class VisionModel:
         assert result is not None
         return result
 
+    def encode_chunks(self, image: DecodedImage) -> list[np.ndarray]:
+        """The image's embeddings as llama.cpp's mtmd chunks them, each chunk decoded in batches of its own:
+        one for most towers; a tiling tower (Llama 4) overrides it with one per tile and the thumbnail."""
+        return [self.encode(image)]
+
     def reserve(self) -> None:
         """Size (or allocate, per the backend) the compute buffers of the largest image graph."""
         ctx, _, out = self._graph_for((3, self.image_size, self.image_size))

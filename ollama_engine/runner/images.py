@@ -1,8 +1,12 @@
 """A prompt with images (Ollama's runner wire): `[img-N]` tags in the text, the image with id N among the
 request's ImageData. Each image is decoded, encoded by the vision tower once and cached by its hash (a second
-question about the same image does not encode it again), and becomes a run of inputs that go into one batch:
-the first carries the embeddings, the others are placeholders. The tower's begin/end text goes around it,
-as llama.cpp's mtmd puts it (Gemma 3: <start_of_image> ... <end_of_image>).
+question about the same image does not encode it again), and becomes runs of inputs, each decoded in a batch
+of its own: the first input of a run carries its embeddings, the others are placeholders. A tower gives one
+chunk per image (Gemma 3) or several (Llama 4: a chunk per tile and the thumbnail, as mtmd's chunks), and a
+chunk longer than a batch is cut into views of at most batch_size rows, decoded one batch after the other
+as llama.cpp's mtmd_helper_decode_image_chunk decodes an image chunk in n_batch pieces. The tower's
+begin/end text goes around the image, as llama.cpp's mtmd puts it (Gemma 3: <start_of_image> ...
+<end_of_image>).
 """
 
 from __future__ import annotations
@@ -48,13 +52,13 @@ class ImageEncoder:
     def __init__(self, tower: VisionModel, capacity: int = 16):
         self.tower = tower
         self.capacity = capacity
-        self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._cache: OrderedDict[str, list[np.ndarray]] = OrderedDict()
         self._lock = threading.Lock()
         self.encoded = 0  # images run through the tower
         self.encode_seconds = 0.0
 
-    def embeddings(self, data: bytes, stats: ImageStats | None = None) -> tuple[np.ndarray, str]:
-        """(tokens, n_embd) embeddings of the image in data, and its hash; ImageError for a bad image."""
+    def embeddings(self, data: bytes, stats: ImageStats | None = None) -> tuple[list[np.ndarray], str]:
+        """The image's chunks of (tokens, n_embd) embeddings, and its hash; ImageError for a bad image."""
         stats = stats if stats is not None else ImageStats()
         stats.count += 1
         digest = image_hash(data)
@@ -64,7 +68,7 @@ class ImageEncoder:
                 return self._cache[digest], digest
             image = decode_image(data)
             started = time.perf_counter()
-            out = self.tower.encode(image)
+            out = self.tower.encode_chunks(image)
             seconds = time.perf_counter() - started
             self.encode_seconds += seconds
             self.encoded += 1
@@ -77,8 +81,10 @@ class ImageEncoder:
 
 
 def prompt_inputs(prompt: str, images: Sequence[ImageData], tokenizer: Tokenizer,
-                  encoder: ImageEncoder | None, stats: ImageStats | None = None) -> list[Input]:
-    """The prompt's inputs: text tokens (special ones only at the start), each tagged image's run."""
+                  encoder: ImageEncoder | None, stats: ImageStats | None = None,
+                  batch_size: int | None = None) -> list[Input]:
+    """The prompt's inputs: text tokens (special ones only at the start), each tagged image's runs, none longer
+    than batch_size (when given)."""
     if encoder is None:
         if images:
             raise ImageError("this model does not support images: it has no vision tower")
@@ -94,13 +100,24 @@ def prompt_inputs(prompt: str, images: Sequence[ImageData], tokenizer: Tokenizer
         image = by_id.get(int(parts[i + 1]))
         if image is None:
             raise ImageError(f"invalid image index: {parts[i + 1]}")
-        embeddings, digest = encoder.embeddings(image.data, stats)
+        chunks, digest = encoder.embeddings(image.data, stats)
         inputs += [Input(token=t) for t in tokenizer.encode(tower.image_begin, add_special=False)]
-        n = len(embeddings)
-        inputs.append(Input(multimodal=embeddings, multimodal_hash=int(digest[:16], 16), same_batch=n - 1))
-        inputs += [Input() for _ in range(n - 1)]
+        for chunk in chunks:
+            inputs += image_run(chunk, int(digest[:16], 16), batch_size)
         inputs += [Input(token=t) for t in tokenizer.encode(tower.image_end, add_special=False)]
     return inputs
+
+
+def image_run(embeddings: np.ndarray, digest: int, batch_size: int | None = None) -> list[Input]:
+    """One chunk's inputs: views of at most batch_size rows, each a same-batch group whose first input carries
+    its rows (numpy views: nothing is copied)."""
+    step = batch_size if batch_size and batch_size > 0 else max(len(embeddings), 1)
+    run: list[Input] = []
+    for first in range(0, len(embeddings), step):
+        view = embeddings[first : first + step]
+        run.append(Input(multimodal=view, multimodal_hash=digest, same_batch=len(view) - 1))
+        run += [Input() for _ in range(len(view) - 1)]
+    return run
 
 
 def batch_embeddings(inputs: Sequence[Input]) -> tuple[tuple[int, np.ndarray], ...]:

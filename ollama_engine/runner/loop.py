@@ -36,7 +36,9 @@ from ollama_engine.runner.images import ImageData, ImageStats, batch_embeddings,
 from ollama_engine.runner.inputs import Input
 from ollama_engine.runner.prompt_cache import TO_END, ReprocessInputsError
 from ollama_engine.runner.sequence import DoneReason, Piece, Sequence, SequenceOptions, capped_num_predict, fit_prompt
-from ollama_engine.runner.speculate import DEFAULT_DRAFT, MAX_DRAFT, Speculator, StepCost, verify_rows
+from ollama_engine.runner.draft import ModelDrafter
+from ollama_engine.runner.speculate import (DEFAULT_DRAFT, MAX_DRAFT, Drafter, NgramIndex, Speculator, StepCost,
+                                            verify_rows)
 from ollama_engine.sample import GrammarError, GrammarVocab, NonFiniteLogitsError, calculate_logprobs
 
 log = logging.getLogger(__name__)
@@ -101,17 +103,25 @@ class Runner:
         GrammarError)."""
         matcher = GrammarVocab.of(self.tokenizer).matcher(grammar) if grammar else None
         stats = ImageStats()
-        inputs = prompt_inputs(prompt, images, self.tokenizer, self.loaded.images, stats)
+        inputs = prompt_inputs(prompt, images, self.tokenizer, self.loaded.images, stats, self.batch_size)
         inputs, num_keep = fit_prompt(inputs, self.num_ctx, options.num_keep, options.truncate)
         options.num_predict = capped_num_predict(options.num_predict, self.num_ctx)
         seq = Sequence(inputs=inputs, options=options, num_keep=num_keep, num_prompt_inputs=len(inputs),
                        grammar=matcher, images=stats)
         # the penalties' window starts with the prompt, as llama-server's sampler does
         options.sampler.start((inp.token for inp in inputs if inp.multimodal is None), self.num_ctx)
-        if options.spec_ngram and self.spec_rows > 1:
+        drafter = self._drafter(inputs, options) if self.spec_rows > 1 else None
+        if drafter is not None:
             max_draft = min(options.draft_num_predict or DEFAULT_DRAFT, MAX_DRAFT)
-            seq.spec = Speculator.of([inp.token for inp in inputs], max(max_draft, 1))
+            seq.spec = Speculator(drafter, max(max_draft, 1))
         return seq
+
+    def _drafter(self, inputs: list[Input], options: SequenceOptions) -> Drafter | None:
+        """The loaded draft model for a text prompt (it has no vision tower); else n-grams where the request asks."""
+        tokens = [inp.token for inp in inputs]
+        if self.loaded.draft is not None and all(inp.multimodal is None for inp in inputs):
+            return ModelDrafter(self.loaded.draft, tokens)
+        return NgramIndex(tokens) if options.spec_ngram else None
 
     def add(self, seq: Sequence, sink: Callable[[Piece | None], None]) -> None:
         """Give the sequence a free place and the cache slot that best matches its prompt."""
@@ -124,6 +134,8 @@ class Runner:
             except Exception as err:
                 raise RuntimeError(f"Failed to load cache: {err}") from err
             seq.sink = sink
+            if seq.spec is not None:
+                seq.spec.drafter.bind(seq.slot.id)
             self.seqs[index] = seq
             self.cond.notify()
 
@@ -384,7 +396,7 @@ class Runner:
         limit = min(self.spec_rows - 1, self.num_ctx - len(slot.inputs) - 1)
         if seq.options.num_predict > 0:
             limit = min(limit, seq.options.num_predict - seq.num_predicted - 1)
-        proposed = self._checked(seq, spec.propose(limit, self.step_cost))
+        proposed = self._checked(seq, spec.propose(limit, self.step_cost, draft=spec.waiting))
         if not spec.waiting:
             return
         spec.waiting = False
@@ -426,7 +438,7 @@ class Runner:
             self._remove(index, DoneReason.STOP)
             return None
         if seq.spec is not None:
-            seq.spec.index.append(token)
+            seq.spec.drafter.append(token)
         piece = self.tokenizer.token_piece(token)
         logprobs = []
         if seq.options.logprobs:
