@@ -121,13 +121,15 @@ def fit_prompt(inputs: list[Input], num_ctx: int, num_keep: int, truncate: bool)
     """The prompt cut to the context (keeping its first num_keep inputs), and the num_keep to use.
 
     A negative num_keep keeps the whole prompt; num_keep is at most num_ctx - 1 so that a shift can
-    always discard something. Cutting never splits a same-batch group (e.g. an image).
+    always discard something. Cutting never splits a same-batch group (e.g. an image): a num_keep that would
+    end inside one ends before it, so that truncation and every later shift keep the group whole or drop it
+    whole (Ollama refused such a prompt when it had to be truncated, and its shift cut the image).
     """
     if not inputs:
         raise ValueError("no input provided")
     if num_keep < 0:
         num_keep = len(inputs)
-    num_keep = min(num_keep, num_ctx - 1)
+    num_keep = group_boundary(inputs, min(num_keep, num_ctx - 1))
     if len(inputs) <= num_ctx:
         return inputs, num_keep
     if not truncate:
@@ -149,3 +151,11 @@ def fit_prompt(inputs: list[Input], num_ctx: int, num_keep: int, truncate: bool)
     if prompt_start >= len(inputs):
         raise ValueError("entire prompt removed by truncation")
     return inputs[:num_keep] + inputs[prompt_start:], num_keep
+
+
+def group_boundary(inputs: list[Input], num_keep: int) -> int:
+    """num_keep, or the start of the same-batch group it would end inside of."""
+    for i, inp in enumerate(inputs[:num_keep]):
+        if inp.same_batch and i + inp.same_batch >= num_keep:
+            return i
+    return num_keep
