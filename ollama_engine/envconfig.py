@@ -220,6 +220,13 @@ def spec_ngram(env: Mapping[str, str] | None = None) -> bool:
     return _bool(os.environ if env is None else env, "OLLAMA_ENGINE_SPEC_NGRAM") is True
 
 
+def image_urls(env: Mapping[str, str] | None = None) -> bool:
+    """OLLAMA_ENGINE_IMAGE_URLS (ours; default off): serve fetches http(s) URLs in OpenAI `image_url` parts
+    itself (api/image_urls.py: size and time limits, http(s) redirects only). Off, they are a 400 as in Ollama:
+    a client could otherwise make serve request any address it can reach."""
+    return _bool(os.environ if env is None else env, "OLLAMA_ENGINE_IMAGE_URLS") is True
+
+
 @dataclass
 class EnvConfig:
     """Every setting serve and the scheduler read from the environment."""
@@ -247,6 +254,7 @@ class EnvConfig:
     model_paths: bool = False
     # OLLAMA_RPC_SERVERS (or serve's --rpc-servers): ggml RPC servers whose devices serve's runners use as GPUs
     rpc_servers: tuple[str, ...] = ()
+    image_urls: bool = False  # OLLAMA_ENGINE_IMAGE_URLS: fetch http(s) image URLs (off: a 400, as Ollama)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> EnvConfig:
@@ -272,6 +280,7 @@ class EnvConfig:
             origins=tuple(_var(env, "OLLAMA_ORIGINS").split(",")) if _var(env, "OLLAMA_ORIGINS") else (),
             model_paths=bool(_bool(env, "OLLAMA_ENGINE_MODEL_PATHS")),
             rpc_servers=tuple(rpc_servers(env)),
+            image_urls=image_urls(env),
         )
 
     @property

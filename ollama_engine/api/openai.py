@@ -28,6 +28,7 @@ from .catalog import Entry
 from .chat import ChatRoutes, collect_chat, collect_generate
 from .completion import Chunks, Job, collected, first_chunk, runner_chunks
 from .embed import EmbedRoutes, normalized, parse_dimensions
+from .image_urls import ImageFetch, inline_image_urls
 from .native import ApiError, json_response, read_json
 from .prompt import request_options
 from .tool_choice import ToolChoiceError, ToolPlan, openai_choice, plan_tools, tool_name
@@ -400,9 +401,10 @@ async def embedding_texts(entry: Entry, raw: Any) -> list[str]:
 
 
 class OpenAIRoutes:
-    def __init__(self, chat: ChatRoutes, embed: EmbedRoutes) -> None:
+    def __init__(self, chat: ChatRoutes, embed: EmbedRoutes, image_fetch: ImageFetch | None = None) -> None:
         self.chat = chat
         self.embed = embed
+        self.image_fetch = image_fetch  # None: http(s) image URLs are refused, as Ollama does
 
     async def _stream(self, request: web.Request, events: AsyncIterator[dict[str, Any]]) -> web.StreamResponse:
         """Server-sent events; an error before the first event keeps its status."""
@@ -429,6 +431,8 @@ class OpenAIRoutes:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         try:
             body = await read_json(request)
+            if isinstance(body, dict) and "messages" in body:
+                body = {**body, "messages": await inline_image_urls(body["messages"], self.image_fetch)}
             native, plan = chat_request(body)
             n = choice_count(body)
             prepared = await self.chat.prepare_chat(native)
@@ -595,8 +599,9 @@ class OpenAIRoutes:
                               "owned_by": name.namespace})
 
 
-def openai_routes(app: web.Application, chat: ChatRoutes, embed: EmbedRoutes) -> None:
-    routes = OpenAIRoutes(chat, embed)
+def openai_routes(app: web.Application, chat: ChatRoutes, embed: EmbedRoutes,
+                  image_fetch: ImageFetch | None = None) -> None:
+    routes = OpenAIRoutes(chat, embed, image_fetch)
     app.router.add_post("/v1/chat/completions", routes.chat_completions)
     app.router.add_post("/v1/completions", routes.completions)
     app.router.add_post("/v1/embeddings", routes.embeddings)

@@ -21,6 +21,7 @@ from .anthropic import anthropic_routes
 from .catalog import Catalog
 from .chat import chat_routes
 from .embed import embed_routes
+from .image_urls import ImageFetch
 from .metrics import Metrics
 from .middleware import allowed_origins, cors_middleware, error_middleware, host_middleware, remember_started
 from .models_routes import model_routes
@@ -62,7 +63,7 @@ def create_app(config: EnvConfig | None = None, scheduler: Scheduler | None = No
     embed = embed_routes(app, scheduler, catalog)
     model_routes(app, scheduler, catalog)
     rerank_routes(app, scheduler, catalog)
-    openai_routes(app, chat, embed)
+    openai_routes(app, chat, embed, ImageFetch() if config.image_urls else None)
     responses_routes(app, chat)
     anthropic_routes(app, chat)
     status_routes(app, scheduler, catalog, metrics, config)
