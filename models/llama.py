@@ -27,6 +27,7 @@ from .layers import LlamaLayer, LlamaMoeLayer, Output, attend, ffn, head, heads,
 from .moe import Experts, Gating, Routing, bind_experts, moe
 from .options import Options
 from .rope import yarn_options
+from .vision import place_embeddings
 
 __all__ = ["Llama", "Mistral3"]
 
@@ -75,7 +76,7 @@ class Llama(Model):
     def forward(self, ctx: Context, batch: Batch) -> Tensor | None:
         o, w = self.options, self.weights
         inp = inputs(ctx, batch, len(self.layers))
-        h = w.token_embd.rows(inp.tokens).set_name("embd")
+        h = place_embeddings(ctx.input(), batch, w.token_embd.rows(inp.tokens).set_name("embd"))  # images' rows
         temperature = {name: ctx.input().from_numpy(values).set_name(name)
                        for name, values in self.batch_inputs(batch).items()}.get("attn_scale")
         for i, layer in enumerate(self.layers):

@@ -10,7 +10,9 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from ollama_engine.ml import Backend, DType, Tensor
+import numpy as np
+
+from ollama_engine.ml import Backend, DType, RopeOptions, Tensor
 
 from .base import weight
 
@@ -36,7 +38,7 @@ class VisionWeights:
 
 @dataclass
 class ViTLayer:
-    """One pre-norm encoder block (SigLIP, CLIP): layer norms with biases, separate q/k/v."""
+    """One pre-norm encoder block (SigLIP, CLIP; Pixtral with RMS norms and a gate): norms, separate q/k/v."""
 
     ln1: Tensor = weight("ln1.weight")
     ln1_b: Tensor | None = weight("ln1.bias", optional=True)
@@ -50,6 +52,8 @@ class ViTLayer:
     attn_out_b: Tensor | None = weight("attn_out.bias", optional=True)
     ln2: Tensor = weight("ln2.weight")
     ln2_b: Tensor | None = weight("ln2.bias", optional=True)
+    ffn_gate: Tensor | None = weight("ffn_gate.weight", optional=True)  # gated FFN (Pixtral's SwiGLU)
+    ffn_gate_b: Tensor | None = weight("ffn_gate.bias", optional=True)
     ffn_up: Tensor = weight("ffn_up.weight")
     ffn_up_b: Tensor | None = weight("ffn_up.bias", optional=True)
     ffn_down: Tensor = weight("ffn_down.weight")
@@ -69,7 +73,16 @@ class ViTOptions:
     n_head: int
     eps: float
     flash_attention: bool
-    activation: Callable[[Tensor], Tensor] = Tensor.gelu  # clip.use_gelu: tanh-approximated GELU
+    activation: Callable[..., Tensor] = Tensor.gelu  # clip.use_gelu: tanh GELU; (gate, up) when gated
+    rms_norm: bool = False  # clip.cpp's NORM_TYPE_RMS (Pixtral) instead of layer norms
+
+
+def norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, o: ViTOptions) -> Tensor:
+    """clip_graph::build_norm: RMS or layer norm, then the weight and bias where the file has them."""
+    if o.rms_norm:
+        out = x.rms_norm(weight, o.eps)
+        return out.add(bias) if bias is not None else out
+    return x.layer_norm(weight, bias, o.eps)
 
 
 def linear(w: Tensor, b: Tensor | None, x: Tensor) -> Tensor:
@@ -102,15 +115,39 @@ def attention(q: Tensor, k: Tensor, v: Tensor, o: ViTOptions) -> Tensor:
     return out.contiguous(out.ne[0] * out.ne[1], out.ne[2])
 
 
-def vit_block(layer: ViTLayer, x: Tensor, o: ViTOptions) -> Tensor:
-    """x + attention(norm(x)), then that + ffn(norm(that)): clip_graph::build_vit's layer."""
+def vit_block(layer: ViTLayer, x: Tensor, o: ViTOptions,
+              add_pos: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+    """x + attention(norm(x)), then that + ffn(norm(that)): clip_graph::build_vit's layer. add_pos turns
+    the queries and keys (head_dim, heads, positions) by their positions (a tower's RoPE)."""
     positions, head_dim = x.ne[1], o.n_embd // o.n_head
-    cur = x.layer_norm(layer.ln1, layer.ln1_b, o.eps)
+    cur = norm(x, layer.ln1, layer.ln1_b, o)
     q = linear(layer.attn_q, layer.attn_q_b, cur).reshape(head_dim, o.n_head, positions)
     k = linear(layer.attn_k, layer.attn_k_b, cur).reshape(head_dim, o.n_head, positions)
     v = linear(layer.attn_v, layer.attn_v_b, cur).reshape(head_dim, o.n_head, positions)
+    if add_pos is not None:
+        q, k = add_pos(q), add_pos(k)
     cur = linear(layer.attn_out, layer.attn_out_b, attention(q, k, v, o))
     x = cur.add(x)
-    cur = x.layer_norm(layer.ln2, layer.ln2_b, o.eps)
-    cur = linear(layer.ffn_down, layer.ffn_down_b, o.activation(linear(layer.ffn_up, layer.ffn_up_b, cur)))
-    return x.add(cur)
+    cur = norm(x, layer.ln2, layer.ln2_b, o)
+    up = linear(layer.ffn_up, layer.ffn_up_b, cur)
+    if layer.ffn_gate is not None:  # build_ffn's split GLU: act(gate) * up
+        hidden = o.activation(linear(layer.ffn_gate, layer.ffn_gate_b, cur), up)
+    else:
+        hidden = o.activation(up)
+    return x.add(linear(layer.ffn_down, layer.ffn_down_b, hidden))
+
+
+ROPE_2D = RopeOptions(neox=False, original_context=0, extrapolation_factor=0.0, attention_factor=1.0,
+                      beta_fast=0.0, beta_slow=0.0)
+"""clip.cpp's ggml_rope_ext arguments for a tower's RoPE: no YaRN, no context."""
+
+
+def rope_2d(x: Tensor, pos_a: Tensor, pos_b: Tensor, base: float, interleave_freq: bool) -> Tensor:
+    """2-D RoPE of (head_dim, heads, positions), clip_graph::build_rope_2d: the first half of each head turned
+    by pos_a (a patch's row), the second half by pos_b (its column). interleave_freq: the second half takes
+    the odd frequencies (a scale of base^(-2/head_dim), computed in float32 as the C++ does), Pixtral's."""
+    n_dim = x.ne[0]
+    half = n_dim // 2
+    odd_scale = float(np.power(np.float32(base), np.float32(-2.0) / np.float32(n_dim))) if interleave_freq else 1.0
+    x = x.rope(pos_a, half, base, 1.0, None, ROPE_2D)
+    return x.rope(pos_b, half, base, odd_scale, None, ROPE_2D, offset=half)

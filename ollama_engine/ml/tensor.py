@@ -261,12 +261,15 @@ class Tensor:
         scale: float = 1.0,
         factors: Tensor | None = None,
         options: RopeOptions = RopeOptions(),  # noqa: B008 - frozen dataclass
+        offset: int = 0,
     ) -> Tensor:
-        """Rotate the first `dims` features of (head_dim, heads, tokens) by positions (I32, tokens)."""
+        """Rotate `dims` features of (head_dim, heads, tokens), the first ones or those from `offset` on, by
+        positions (I32, tokens). An offset rotates one part of a head, the rest unchanged (2-D RoPE in
+        vision towers: clip.cpp's build_rope_2d; ggml_rope_set_offset)."""
         if positions.dtype != DType.I32 or positions.ne[0] != self.ne[2]:
             raise ShapeError(f"rope: positions {positions.shape} for input {self.shape}")
-        if dims > self.ne[0] or dims % 2:
-            raise ShapeError(f"rope: {dims} rotary dims for head size {self.ne[0]}")
+        if offset < 0 or offset + dims > self.ne[0] or dims % 2:
+            raise ShapeError(f"rope: {dims} rotary dims from {offset} for head size {self.ne[0]}")
         if factors is not None and factors.ne[0] < dims // 2:
             raise ShapeError(f"rope: frequency factors {factors.shape} shorter than {dims // 2}")
         source = self if self.dtype in (DType.F32, DType.F16) else self.cast(DType.F32)
@@ -277,6 +280,8 @@ class Tensor:
             dims, mode, options.original_context, base, scale, options.extrapolation_factor,
             options.attention_factor, options.beta_fast, options.beta_slow,
         )
+        if offset:
+            ops.rope_set_offset(handle, offset)
         return Tensor(ctx, handle)
 
     def rope_multi(self, positions: Tensor, dims: int, sections: Sequence[int], base: float,
@@ -555,6 +560,17 @@ class Tensor:
 
     def avg_pool2d(self, kernel: int) -> Tensor:
         """The mean of each kernel x kernel square of dims 0 and 1, squares side by side (stride = kernel)."""
+    def im2col(self, image: Tensor, stride: int, dtype: DType = DType.F32) -> Tensor:
+        """The kernel-sized windows of image (width, height, channels, images) at `stride`, each one flattened
+        (ggml_im2col, 2-D, no padding; only self's shape (kernel width, height, channels) is read):
+        (channels * kernel height * kernel width, out width, out height, images). A patch merger's unfold."""
+        k, x = self.ne, image.ne
+        if k[2] != x[2] or stride < 1 or x[0] < k[0] or x[1] < k[1] or dtype not in (DType.F32, DType.F16):
+            raise ShapeError(f"im2col: kernel {self.shape} over {image.shape}, stride {stride}, {dtype.name}")
+        ctx = image._graph(self)
+        handle = ops.im2col(ctx.handle, self.handle, image.handle, stride, stride, 0, 0, 1, 1, True, int(dtype))
+        return Tensor(ctx, handle)
+
         if kernel < 1 or self.ne[0] < kernel or self.ne[1] < kernel:
             raise ShapeError(f"avg_pool2d: kernel {kernel} for {self.shape}")
         return self._new(ops.pool_2d(self._graph().handle, self.handle, ops.POOL_AVG, kernel, kernel, kernel, kernel,
