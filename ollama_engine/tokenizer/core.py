@@ -26,6 +26,13 @@ class Tokenizer:
         self.add_eos = vocab.add_eos
         self._pieces: dict[int, bytes] = {}  # filled as tokens are first decoded (a vocabulary may be 256k)
 
+    def prepare(self) -> None:
+        """Build now what the segmenter defers to its first encode (BytePairSegmenter's BPE model); a runner
+        calls it once it is ready. Segmenters without a `prepare` build everything up front."""
+        build = getattr(self._segmenter, "prepare", None)
+        if build is not None:
+            build()
+
     @property
     def vocab_size(self) -> int:
         return len(self.vocab)
