@@ -62,14 +62,20 @@ def _weights(in_size: int, out_size: int, kind: Filter) -> tuple[np.ndarray, np.
 
 
 def _pass(pixels: np.ndarray, out_size: int, kind: Filter) -> np.ndarray:
-    """Resample axis 1 of (rows, columns, 3) uint8 to out_size columns."""
-    in_size = pixels.shape[1]
+    """Resample axis 1 of (rows, columns, 3) uint8 to out_size columns. The sums are exact int32 ones, so
+    their order is free: each tap is a gather of whole input columns (contiguous rows of the transposed
+    image), twice as fast as gathering along the middle axis."""
+    rows, in_size, channels = pixels.shape
     first, weights = _weights(in_size, out_size, kind)
-    acc = np.full((pixels.shape[0], out_size, pixels.shape[2]), 1 << (PRECISION_BITS - 1), dtype=np.int32)
+    source = pixels.transpose(1, 0, 2).reshape(in_size, rows * channels).astype(np.int32)
+    acc = np.full((out_size, rows * channels), 1 << (PRECISION_BITS - 1), dtype=np.int32)
+    term = np.empty_like(acc)
     for x in range(weights.shape[1]):
         column = np.minimum(first + x, in_size - 1)  # past the edge the weight is 0
-        acc += pixels[:, column, :].astype(np.int32) * weights[:, x][None, :, None]
-    return np.clip(acc >> PRECISION_BITS, 0, 255).astype(np.uint8)
+        np.multiply(source[column], weights[:, x, None], out=term)
+        acc += term
+    out = np.clip(acc >> PRECISION_BITS, 0, 255).astype(np.uint8)
+    return out.reshape(out_size, rows, channels).transpose(1, 0, 2)
 
 
 def resize(pixels: np.ndarray, width: int, height: int, kind: Filter = Filter.BILINEAR) -> np.ndarray:
