@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import base64
 import json
+import re
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,7 +22,9 @@ from synthetic.vision import VisionSpec, add_vision, write_mmproj
 from test_runner_e2e import LOAD, Client, completion, free_port, start_runner
 from test_vision import png_bytes, smooth_image
 
+from ollama_engine.fs.gguf_file import GGUFFile
 from ollama_engine.runner.images import image_run
+from ollama_engine.tokenizer import from_metadata
 
 SPEC_256 = VisionSpec(image_size=64, patch_size=2, merge=2)  # 32 patches a side pooled by 2: 16 x 16 = 256 rows
 TOLERANCE = 1e-4  # on logprobs; F32 weights
@@ -48,19 +53,18 @@ def files(tmp_path_factory):
             "mmproj": write_mmproj(folder / "mmproj.gguf", SPEC_256)}
 
 
-def mtmd_answer(files, prompt: str, pixels: list[np.ndarray], n_batch: int) -> list[tuple[int, np.ndarray]]:
-    """llama.cpp's greedy tokens after the prompt, each with the log-softmax it was picked from."""
+def mtmd_answer(text, mmproj, prompt: str, pixels: list[np.ndarray], n_batch: int,
+                steps: int = STEPS) -> list[tuple[int, np.ndarray]]:
+    """llama.cpp's greedy tokens after the prompt ([img-N] at mtmd's marker), each with the log-softmax it was
+    picked from: the prompt decoded by mtmd_helper_eval_chunks with n_batch."""
     from vision_reference import MtmdReference
 
-    reference = MtmdReference(files["text"], files["mmproj"], threads=2, n_ctx=1024, n_batch=n_batch)
+    reference = MtmdReference(text, mmproj, threads=2, n_ctx=1024, n_batch=n_batch)
     try:
         marker = reference.mtmd.mtmd_default_marker().decode()
-        logits, position, layout = reference.eval_prompt(prompt.replace("[img-0]", marker).replace("[img-1]", marker),
-                                                         pixels)
-        assert all(n == SPEC_256.image_size ** 2 // (SPEC_256.patch_size * SPEC_256.merge) ** 2
-                   for kind, n in layout if kind == "image")
+        logits, position, _ = reference.eval_prompt(re.sub(r"\[img-\d+\]", marker, prompt), pixels)
         out = []
-        for _ in range(STEPS):
+        for _ in range(steps):
             token = int(logits.argmax())
             out.append((token, log_softmax(logits)))
             logits = reference.decode_token(token, position)
@@ -70,58 +74,65 @@ def mtmd_answer(files, prompt: str, pixels: list[np.ndarray], n_batch: int) -> l
         reference.close()
 
 
+def start_loaded_runner(model: Path, n_batch: int, projector: Path | None = None) -> tuple[subprocess.Popen, Client]:
+    """A runner subprocess on model (and a separate projector), loaded as a scheduler loads it, one slot."""
+    port = free_port()
+    proc = start_runner(model, port)
+    client = Client(port)
+    try:
+        load = {**LOAD, "Parallel": 1, "KvSize": 1024, "BatchSize": n_batch, "ProjectorPath": str(projector or "")}
+        for operation in (0, 1, 2):
+            assert client.json("POST", "/load", {**load, "Operation": operation})["Success"]
+        while client.json("GET", "/health")["status"] != 0:
+            pass
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc, client
+
+
+def compare_with_mtmd(client: Client, text: Path, mmproj: Path, prompt: str, encoded: list[bytes], n_batch: int,
+                      tolerance: float = TOLERANCE, steps: int = STEPS) -> float:
+    """The runner's greedy answer to prompt with these images against llama.cpp's: the same tokens, each
+    logprob within tolerance. Returns the largest difference."""
+    from ollama_engine.image import decode_image
+
+    expected = mtmd_answer(text, mmproj, prompt, [decode_image(data).pixels for data in encoded], n_batch, steps)
+    status, data = client.request("POST", "/completion", completion(
+        prompt, options={"temperature": 0, "num_predict": steps}, Logprobs=True,
+        Images=[{"data": base64.b64encode(data).decode(), "id": i} for i, data in enumerate(encoded)]))
+    assert status == 200, data
+    lines = [json.loads(line) for line in data.splitlines()]
+    assert lines[-1]["done"] and lines[-1]["image_count"] == len(encoded)
+    entries = [entry for line in lines for entry in line.get("logprobs") or []]
+    assert "".join(entry["token"] for entry in entries) == "".join(line["content"] for line in lines)
+    tokenizer = from_metadata(GGUFFile.open(text).metadata)
+    assert [entry["token"] for entry in entries] == [
+        tokenizer.token_piece(token).decode(errors="replace") for token, _ in expected], prompt
+    worst = 0.0
+    for step, ((token, theirs), entry) in enumerate(zip(expected, entries, strict=True)):
+        difference = abs(float(theirs[token]) - entry["logprob"])
+        worst = max(worst, difference)
+        assert difference < tolerance, (prompt, step, entry["logprob"], float(theirs[token]))
+    return worst
+
+
 @pytest.mark.reference
 @pytest.mark.parametrize("n_batch", [64, 100])
 def test_an_image_larger_than_a_batch_is_mtmds(files, n_batch):
     """One and two 256-row images through the runner with BatchSize n_batch: llama.cpp's greedy tokens and
     logprobs, mtmd decoding each image in n_batch pieces."""
-    from test_vision import IMAGES
+    from test_vision import IMAGES, MTMD_JPEG
 
-    port = free_port()
-    proc = start_runner(files["single"], port)
-    client = Client(port)
+    cases = [("Look at [img-0]. What do you see?", [IMAGE])]
+    if MTMD_JPEG is not None:  # mtmd's JPEG, given as the same pixels (decoders are compared in test_vision)
+        cases.append(("Compare [img-0] with [img-1], please.", [IMAGE, png_bytes(IMAGES["mtmd-jpeg"]().pixels)]))
+    proc, client = start_loaded_runner(files["single"], n_batch)
     try:
-        for operation in (0, 1, 2):
-            assert client.json("POST", "/load", {**LOAD, "Operation": operation, "Parallel": 1, "KvSize": 1024,
-                                                 "BatchSize": n_batch})["Success"]
-        while client.json("GET", "/health")["status"] != 0:
-            pass
-        other = IMAGES["mtmd-jpeg"]() if IMAGES["mtmd-jpeg"] else None
-        cases = [("Look at [img-0]. What do you see?", [IMAGE])]
-        if other is not None:  # mtmd's JPEG, given as the same pixels (decoders are compared in test_vision)
-            cases.append(("Compare [img-0] with [img-1], please.", [IMAGE, png_bytes(other.pixels)]))
         for prompt, encoded in cases:
-            from ollama_engine.image import decode_image
-
-            expected = mtmd_answer(files, prompt, [decode_image(data).pixels for data in encoded], n_batch)
-            status, data = client.request("POST", "/completion", completion(
-                prompt, options={"temperature": 0, "num_predict": STEPS}, Logprobs=True,
-                Images=[{"data": base64.b64encode(data).decode(), "id": i} for i, data in enumerate(encoded)]))
-            assert status == 200, data
-            lines = [json.loads(line) for line in data.splitlines()]
-            assert lines[-1]["done"] and lines[-1]["image_count"] == len(encoded)
-            assert lines[-1]["prompt_eval_count"] > 256 * len(encoded)
-            ours = [entry["logprob"] for line in lines for entry in line.get("logprobs") or []]
-            text = "".join(line["content"] for line in lines)
-            pieces = [entry["token"] for line in lines for entry in line.get("logprobs") or []]
-            assert "".join(pieces) == text
-            assert len(ours) == len(expected), (prompt, text)
-            worst = 0.0
-            for step, ((token, theirs), logprob) in enumerate(zip(expected, ours, strict=True)):
-                difference = abs(float(theirs[token]) - logprob)
-                worst = max(worst, difference)
-                assert difference < TOLERANCE, (prompt, step, logprob, float(theirs[token]))
-            tokenizer_pieces = expected_pieces(files, [token for token, _ in expected])
-            assert pieces == tokenizer_pieces, (pieces, tokenizer_pieces)
-            print(f"n_batch {n_batch}, {len(encoded)} image(s): largest logprob difference {worst:.3g}")
+            worst = compare_with_mtmd(client, files["text"], files["mmproj"], prompt, encoded, n_batch)
+            print(f"n_batch {n_batch}, {len(encoded)} image(s) of 256 rows: largest logprob difference {worst:.3g}")
     finally:
         proc.kill()
         proc.wait()
-
-
-def expected_pieces(files, tokens: list[int]) -> list[str]:
-    from ollama_engine.fs.gguf_file import GGUFFile
-    from ollama_engine.tokenizer import from_metadata
-
-    tokenizer = from_metadata(GGUFFile.open(files["text"]).metadata)
-    return [tokenizer.token_piece(t).decode(errors="replace") for t in tokens]
