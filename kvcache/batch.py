@@ -33,6 +33,9 @@ class Batch:
     embeddings: tuple[tuple[int, np.ndarray], ...] = ()
     """(first row, (rows, n_embd) float32) pairs: rows whose input is an embedding (an image's) given in place
     of a token's; their token ids are placeholders (Ollama's batch.Multimodal)."""
+    rope_positions: np.ndarray | None = None
+    """(4, rows) int32, for models rotating by multimodal RoPE (Model.position_components 4): each row's time,
+    height, width and spare components, where an image's rows have their own; None: a text row's p, p, p, 0."""
 
     def __post_init__(self) -> None:
         positions = _int_vector("positions", self.positions)
@@ -54,6 +57,11 @@ class Batch:
             if len(tokens) != len(positions):
                 raise ValueError(f"batch has {len(tokens)} tokens but {len(positions)} positions")
             object.__setattr__(self, "tokens", tokens)
+        if self.rope_positions is not None:
+            rope = np.ascontiguousarray(self.rope_positions, dtype=np.int32)
+            if rope.shape != (4, len(positions)):
+                raise ValueError(f"batch rope positions of shape {rope.shape} for {len(positions)} rows: (4, rows)")
+            object.__setattr__(self, "rope_positions", rope)
         for first, rows in self.embeddings:
             if rows.ndim != 2 or first < 0 or first + len(rows) > len(positions):
                 raise ValueError(f"batch embeddings of shape {rows.shape} at row {first}: rows 0..{len(positions) - 1}")

@@ -92,6 +92,9 @@ class Model:
     after it (see graphs.BATCH_INPUTS), or one of batch_inputs(): then a built graph can serve later batches
     of the same shape. graphs.stale_inputs() finds an input left out (tests/test_graph_inputs.py runs it on
     every architecture's tiny preset)."""
+    position_components = 1
+    """How many position components each row has (llama.cpp's n_pos_per_embd): 4 for multimodal RoPE, whose
+    image rows the runner gives their own (Batch.rope_positions)."""
     rows_alone = True
     """Compute each sequence's rows of a batch with the kernels its rows alone would get, where a model's
     float matmuls would otherwise round them by the batch's size (models/alone.py): batched equals solo.

@@ -43,3 +43,22 @@ def yarn_options(config: Config, rope_scale: float, *, neox: bool, tuned: bool =
         beta_slow = config.get_float("rope.scaling.yarn_beta_slow", config.get_float("rope.scaling.beta_slow", 1.0))
     return RopeOptions(neox=neox, original_context=original, extrapolation_factor=1.0,
                        attention_factor=float(attention_factor), beta_fast=beta_fast, beta_slow=beta_slow)
+
+
+def mrope_sections(config: Config, dims: int) -> list[int]:
+    """rope.dimension_sections (Ollama's qwen25vl files: rope.mrope_section), padded to ggml's 4: how many of
+    the `dims` // 2 rotated pairs each position component drives. Checked here, since ggml divides by their
+    sum (0 would fault) and reads no more than 4."""
+    sections = config.get_ints("rope.dimension_sections") or config.get_ints("rope.mrope_section")
+    arch = config.architecture()
+    if not sections or len(sections) > 4 or min(sections) < 0 or not 0 < sum(sections) <= dims // 2:
+        raise ModelError(f"{arch}: rope.dimension_sections {sections} must be up to 4 non-negative counts of "
+                         f"rotated pairs, 1 to {dims // 2} in all")
+    return (sections + [0] * 4)[:4]
+
+
+def mrope_text_positions(positions: np.ndarray) -> np.ndarray:
+    """Text tokens' 4 multimodal RoPE position components, component-major: p, p, p, 0 (llama.cpp's
+    llm_graph_input_pos for a token batch)."""
+    positions = np.asarray(positions, dtype=np.int32)
+    return np.concatenate([positions, positions, positions, np.zeros_like(positions)])

@@ -16,7 +16,8 @@ from ollama_engine.models.graphs import stale_inputs
 
 TINY = sorted(name for name in PRESETS if name.startswith("tiny-"))
 # the architectures only Ollama's converters name: written by a preset in Ollama's layout
-OLLAMA = {"tiny-gpt-oss": "gptoss", "tiny-olmo3": "olmo3", "tiny-glm4moelite": "glm4moelite"}
+OLLAMA = {"tiny-gpt-oss": "gptoss", "tiny-olmo3": "olmo3", "tiny-glm4moelite": "glm4moelite",
+          "tiny-qwen2vl": "qwen25vl"}
 CASES = [(preset, "llama.cpp") for preset in TINY] + [(preset, "ollama") for preset in OLLAMA]
 PROMPT, STEPS = 20, 16  # decoding from position 20 to 35 crosses mistral3's temperature step at 32
 

@@ -285,10 +285,12 @@ class Tensor:
         return Tensor(ctx, handle)
 
     def rope_multi(self, positions: Tensor, dims: int, sections: Sequence[int], base: float,
-                   options: RopeOptions = RopeOptions()) -> Tensor:  # noqa: B008 - frozen dataclass
-        """Interleaved multimodal RoPE (ggml_rope_multi, IMROPE) of (head_dim, heads, tokens): positions (I32,
-        4 * tokens) hold each token's 4 position components, sections (4) how many rotated pairs each
-        component drives."""
+                   options: RopeOptions = RopeOptions(),  # noqa: B008 - frozen dataclass
+                   interleaved: bool = True) -> Tensor:
+        """Multimodal RoPE (ggml_rope_multi) of (head_dim, heads, tokens): positions (I32, 4 * tokens) hold
+        each token's 4 position components, sections (4) how many rotated pairs each component drives;
+        interleaved: the components take turns over the pairs (IMROPE, Qwen3-VL and Qwen3.5), else each
+        drives a run of consecutive pairs (MROPE, Qwen2-VL and Qwen2.5-VL)."""
         if positions.dtype != DType.I32 or positions.ne[0] != 4 * self.ne[2] or len(sections) != 4:
             raise ShapeError(f"rope_multi: positions {positions.shape} and sections {tuple(sections)} for input "
                              f"{self.shape}: 4 positions per token, 4 sections")
@@ -297,8 +299,8 @@ class Tensor:
         ctx = self._graph(positions)
         handle = ops.rope_multi(
             ctx.handle, self.handle, positions.handle, ggml.NULL, dims, [int(s) for s in sections],
-            ops.ROPE_TYPE_IMROPE, options.original_context, base, 1.0, options.extrapolation_factor,
-            options.attention_factor, options.beta_fast, options.beta_slow,
+            ops.ROPE_TYPE_IMROPE if interleaved else ops.ROPE_TYPE_MROPE, options.original_context, base, 1.0,
+            options.extrapolation_factor, options.attention_factor, options.beta_fast, options.beta_slow,
         )
         return Tensor(ctx, handle)
 

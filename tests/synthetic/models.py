@@ -32,12 +32,13 @@ ARCHITECTURES = (
     "llama", "qwen2", "qwen3", "bert", "gemma2", "gemma3", "qwen3moe", "nomic-bert", "phi3", "olmo2", "mistral3",
     "gpt-oss", "llama4", "deepseek2", "gemma3n",
     "qwen2moe", "nomic-bert-moe", "lfm2", "lfm2moe", "nemotron_h", "nemotron_h_moe", "qwen3next", "qwen35",
-    "qwen35moe", "gemma4", "laguna",
+    "qwen35moe", "gemma4", "laguna", "qwen2vl",
 )
 _ROPE_ARCHITECTURES = (
     "llama", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3moe", "nomic-bert", "phi3", "olmo2", "mistral3",
     "gpt-oss", "llama4", "deepseek2", "gemma3n",
     "qwen2moe", "nomic-bert-moe", "lfm2", "lfm2moe", "qwen3next", "qwen35", "qwen35moe", "gemma4", "laguna",
+    "qwen2vl",
 )
 _POST_NORM_ARCHITECTURES = ("gemma2", "gemma3", "olmo2")  # olmo2: post-norms only, q/k norms over all heads
 # a router and stacked experts instead of the FFN
@@ -45,7 +46,8 @@ _MOE_ARCHITECTURES = ("qwen3moe", "gpt-oss", "llama4", "qwen2moe", "lfm2moe", "n
                       "qwen35moe")
 _BERT_ARCHITECTURES = ("bert", "nomic-bert", "nomic-bert-moe")  # encoders: post-norm, pooled
 # Ollama's converters' architecture names (layout "ollama")
-_OLLAMA_NAMES = {"gpt-oss": "gptoss", "olmo2": "olmo3", "deepseek2": "glm4moelite", "laguna": "laguna"}
+_OLLAMA_NAMES = {"gpt-oss": "gptoss", "olmo2": "olmo3", "deepseek2": "glm4moelite", "laguna": "laguna",
+                 "qwen2vl": "qwen25vl"}
 
 # Every type ggml quantizes to and computes with (Q2_0 aside: gguf-py does not know it yet), and the
 # general.file_type llama-quantize writes for it. K and IQ types need rows that are multiples of 256.
@@ -215,6 +217,23 @@ PRESETS: dict[str, ModelSpec] = {
         eps=1e-6,
         qkv_bias=True,
         name="tiny-qwen2",
+    ),
+    # qwen2vl (Qwen2-VL, Qwen2.5-VL's text model): tiny-qwen2 with multimodal RoPE, 8 rotated pairs in
+    # sections 2 (time), 3 (height), 3 (width), 0, as Qwen2.5-VL's 16, 24, 24, 0 of 64
+    "tiny-qwen2vl": ModelSpec(
+        arch="qwen2vl",
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        n_head_kv=2,
+        n_ff=128,
+        vocab="qwen2",
+        context_length=512,
+        rope_base=1000000.0,
+        eps=1e-6,
+        qkv_bias=True,
+        rope_sections=(2, 3, 3, 0),
+        name="tiny-qwen2vl",
     ),
     "tiny-qwen3": ModelSpec(
         arch="qwen3",
@@ -853,9 +872,10 @@ def _check(spec: ModelSpec) -> None:
         raise ValueError(f"unknown embedding type {spec.embedding_type!r}: choose one of {tuple(WEIGHT_TYPES)}")
     if spec.layout not in ("llama.cpp", "ollama", "ollama-qkv", "ollama-2025-09", "ollama-2025-08") or (
             spec.layout != "llama.cpp" and spec.arch != "gpt-oss"
-            and (spec.arch, spec.layout) not in (("olmo2", "ollama"), ("deepseek2", "ollama"), ("laguna", "ollama"))):
+            and (spec.arch, spec.layout) not in (("olmo2", "ollama"), ("deepseek2", "ollama"), ("laguna", "ollama"),
+                                               ("qwen2vl", "ollama"))):
         raise ValueError(f"{spec.name}: layout {spec.layout!r}: llama.cpp, or ollama, ollama-qkv, ollama-2025-09 "
-                         "or ollama-2025-08 for gpt-oss, ollama for olmo2, deepseek2 and laguna")
+                         "or ollama-2025-08 for gpt-oss, ollama for olmo2, deepseek2, laguna and qwen2vl")
     if spec.arch == "laguna" and spec.layout == "ollama" and spec.laguna.gate_per_element:
         raise ValueError(f"{spec.name}: Ollama's laguna gates per head only")
     if spec.arch == "deepseek2" and spec.layout == "ollama" and (spec.mla.kv_b or spec.rope_scaling_type):
@@ -870,7 +890,7 @@ def _check(spec: ModelSpec) -> None:
         raise ValueError(f"{spec.name}: n_head {spec.n_head} is not a multiple of n_head_kv {spec.n_head_kv}")
     if spec.arch in _ROPE_ARCHITECTURES and spec.n_rot % 2:
         raise ValueError(f"{spec.name}: head_dim {spec.n_rot} must be even for RoPE")
-    if spec.arch in ("qwen2", *_BERT_ARCHITECTURES) and spec.n_rot * spec.n_head != spec.n_embd:
+    if spec.arch in ("qwen2", "qwen2vl", *_BERT_ARCHITECTURES) and spec.n_rot * spec.n_head != spec.n_embd:
         raise ValueError(f"{spec.name}: {spec.arch} needs head_dim * n_head == n_embd")
     if spec.arch in _BERT_ARCHITECTURES and spec.n_head_kv != spec.n_head:
         raise ValueError(f"{spec.name}: {spec.arch} needs n_head_kv == n_head")
@@ -1576,6 +1596,10 @@ def _add_hparams(writer: gguf.GGUFWriter, spec: ModelSpec, n_vocab: int, file_ty
             writer.add_expert_shared_feed_forward_length(spec.n_ff)
     writer.add_rope_freq_base(spec.rope_base)
     writer.add_rope_dimension_count(spec.rope_dims or spec.n_rot)
+    if spec.arch == "qwen2vl" and spec.layout == "ollama":  # Ollama's converter: Hugging Face's 3 sections
+        writer.add_array(f"{writer.arch}.rope.mrope_section", list(spec.rope_sections[:3]))
+    elif spec.arch == "qwen2vl":
+        writer.add_rope_dimension_sections(list(spec.rope_sections))
     if spec.laguna is not None:
         _add_laguna_hparams(writer, spec)
     if spec.mla is not None:
