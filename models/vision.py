@@ -22,7 +22,7 @@ import numpy as np
 from ollama_engine.fs import Config, GGUFFile
 from ollama_engine.image import DecodedImage, PixelSpec
 from ollama_engine.kvcache import Batch
-from ollama_engine.ml import Backend, Context, DType, ShapeError, Tensor
+from ollama_engine.ml import Backend, Context, DeviceID, DType, GPULayers, ShapeError, Tensor
 
 from .base import ModelError, require_uint
 from .vit import VisionWeights
@@ -158,10 +158,11 @@ def vision_tensor(name: str) -> bool:
 
 def load_vision(
     path: str | os.PathLike[str], *, num_threads: int | None = None, flash_attention: bool = False,
-    allocate: bool = True, file: GGUFFile | None = None,
+    allocate: bool = True, file: GGUFFile | None = None, device: DeviceID | None = None,
 ) -> VisionModel | None:
     """The vision tower in the GGUF at `path` (an mmproj, or a text model holding one), with its weights
-    allocated but not read (call `tower.backend.load()`); None when the file has none."""
+    allocated but not read (call `tower.backend.load()`); None when the file has none. `device`: the GPU that
+    holds the text model's output layer, where Ollama's engine put the tower (None: the CPU)."""
     file = file or GGUFFile.open(path)
     kind = projector_type(file.config)
     if not kind:
@@ -171,7 +172,9 @@ def load_vision(
                          f"(supported: {', '.join(sorted(VISION_REGISTRY))})")
     unused: Callable[[str], bool] = (lambda name: False) if is_mmproj(file.config) else (
         lambda name: not vision_tensor(name))
-    backend = Backend(file, allocate=allocate, num_threads=num_threads, flash_attention=flash_attention,
+    # every tower tensor is in the output layer's group: the output layer's index is the file's block_count
+    placed = [GPULayers(device, [file.config.get_uint("block_count", 0)])] if device is not None else []
+    backend = Backend(file, placed, allocate=allocate, num_threads=num_threads, flash_attention=flash_attention,
                       repack_weights=False, unused_tensors=unused)
     try:
         return VISION_REGISTRY[kind](backend)

@@ -40,7 +40,8 @@ from .memory_svg import memory_svg
 
 SIMULATED_NOTE = (
     "simulated GPUs: per-layer weights and KV cache were measured on the CPU and charged to the GPU the layout "
-    "puts each layer on; a GPU holding layers is charged a compute graph equal to the measured CPU graph"
+    "puts each layer on (a vision tower goes with the output layer); a GPU holding layers is charged a compute "
+    "graph equal to the measured CPU graph"
 )
 
 _UNITS = {
@@ -134,6 +135,9 @@ class _DryRun:
             for layer in (i for placed in layout if placed.device_id == gpu.device_id for i in placed.layers):
                 entry.weights[layer], memory.cpu.weights[layer] = memory.cpu.weights[layer], 0
                 entry.cache[layer], memory.cpu.cache[layer] = memory.cpu.cache[layer], 0
+                if layer == total_layers - 1:  # the tower is the output layer's (runner/tower_memory.py)
+                    entry.vision_weights, memory.cpu.vision_weights = memory.cpu.vision_weights, 0
+                    entry.vision_graph, memory.cpu.vision_graph = memory.cpu.vision_graph, 0
             entry.graph = memory.cpu.graph if any(entry.weights) or any(entry.cache) else 0
             memory.gpus.append(entry)
         return memory
@@ -244,11 +248,14 @@ def _layer_rows(plan: Plan) -> list[list[str]]:
     memory = plan.memory
     rows = [["input", memory.cpu.name or "CPU", human_bytes2(memory.input_weights), "-",
              human_bytes2(memory.input_weights)]]
+    vision = sum(d.vision_weights for d in [memory.cpu, *memory.gpus])
     for i in range(plan.total_layers):
-        weights = sum(d.weights[i] for d in [memory.cpu, *memory.gpus])
+        weights = sum(d.weights[i] for d in [memory.cpu, *memory.gpus]) - (vision if i == plan.total_layers - 1 else 0)
         cache = sum(d.cache[i] for d in [memory.cpu, *memory.gpus])
         rows.append([_layer_name(plan, i), plan.device_of(i), human_bytes2(weights), human_bytes2(cache),
                      human_bytes2(weights + cache)])
+    if vision:  # a row of its own, on the output layer's device, as Ollama's engine placed a tower
+        rows.append(["vision", plan.device_of(plan.total_layers - 1), human_bytes2(vision), "-", human_bytes2(vision)])
     return rows
 
 
@@ -259,15 +266,20 @@ def _device_rows(plan: Plan) -> list[list[str]]:
         reported = next((m for m in memory.gpus if m.device_id == gpu.device_id), DeviceMemory())
         layers = [i for entry in plan.layout if entry.device_id == gpu.device_id for i in entry.layers]
         rows.append([gpu.name, _layer_span(layers, plan), human_bytes2(sum(reported.weights)),
-                     human_bytes2(sum(reported.cache)), human_bytes2(reported.graph), human_bytes2(reported.size()),
-                     human_bytes2(gpu.free_memory)])
+                     human_bytes2(sum(reported.cache)), human_bytes2(reported.graph), _image_graph(reported),
+                     human_bytes2(reported.size()), human_bytes2(gpu.free_memory)])
     offloaded = {i for entry in plan.layout for i in entry.layers}
     cpu = memory.cpu
     rows.append([cpu.name or "CPU", _layer_span([i for i in range(plan.total_layers) if i not in offloaded], plan),
                  human_bytes2(memory.input_weights + sum(cpu.weights)), human_bytes2(sum(cpu.cache)),
-                 human_bytes2(cpu.graph), human_bytes2(memory.input_weights + cpu.size()),
+                 human_bytes2(cpu.graph), _image_graph(cpu), human_bytes2(memory.input_weights + cpu.size()),
                  human_bytes2(plan.system.free_memory)])
     return rows
+
+
+def _image_graph(device: DeviceMemory) -> str:
+    """A vision tower's worst-case image graph on the device: the graph column is the larger of it and the text's."""
+    return human_bytes2(device.vision_graph) if device.vision_graph else "-"
 
 
 def _why(plan: Plan) -> list[str]:
@@ -333,8 +345,8 @@ def plan_text(plan: Plan) -> str:
     lines += ["", "per layer"]
     lines += _table(["layer", "device", "weights", "KV cache", "total"], _layer_rows(plan), {2, 3, 4})
     lines += ["", "per device"]
-    lines += _table(["device", "layers", "weights", "KV cache", "graph", "total", "free"], _device_rows(plan),
-                    {2, 3, 4, 5, 6})
+    lines += _table(["device", "layers", "weights", "KV cache", "graph", "image graph", "total", "free"],
+                    _device_rows(plan), {2, 3, 4, 5, 6, 7})
     lines += [
         "",
         f"layout   {plan.layout or '[] (everything on the CPU)'}",
@@ -365,6 +377,8 @@ def add_plan_command(subparsers: argparse._SubParsersAction) -> None:
     plan.add_argument("--num-gpu", type=int, default=-1, help="layers to offload (default: as many as fit)")
     plan.add_argument("--gpu", action="append", default=[], metavar="LIBRARY:ID:FREE",
                       help="a simulated GPU, e.g. CUDA:GPU-0:8GiB (repeatable); default: the GPUs present")
+    plan.add_argument("--projector", default="", metavar="MMPROJ",
+                      help="a vision projector in its own GGUF (llama.cpp's mmproj), loaded beside the model")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.add_argument("--svg", metavar="FILE", help="also write the memory per device and layer as an SVG picture")
     plan.set_defaults(run=run_plan)
@@ -381,7 +395,8 @@ def run_plan(args: argparse.Namespace) -> int:
     flash, flash_why = resolve_flash_attention(setting, gpus)
     options = LoadOptions(num_ctx=args.ctx, parallel=args.parallel, batch_size=args.batch, num_gpu=args.num_gpu,
                           flash_attention=flash, kv_cache_type=args.kv_type, flash_attention_reason=flash_why,
-                          kv_cache_type_k=args.kv_type_k, kv_cache_type_v=args.kv_type_v)
+                          kv_cache_type_k=args.kv_type_k, kv_cache_type_v=args.kv_type_v,
+                          projector_path=args.projector)
     plan = make_plan(args.model, options, gpus, bool(simulated), system_info())
     if args.svg:
         title = f"{args.model}: {plan.layout.sum()} of {plan.total_layers} layers on GPUs" + (

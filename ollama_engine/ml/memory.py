@@ -72,18 +72,26 @@ class DeviceMemory:
     weights: list[int] = field(default_factory=list)
     cache: list[int] = field(default_factory=list)
     graph: int = 0
+    # A vision tower on this device (ours, sent only when there is one; Ollama's parent ignores them): its
+    # weights, already counted in the output layer's as Ollama's engine counts them, and its worst-case image
+    # graph, of which `graph` is the larger with the text graph (one buffer serves both).
+    vision_weights: int = 0
+    vision_graph: int = 0
 
     def size(self) -> int:
         return sum(self.weights) + sum(self.cache) + self.graph
 
     def to_json(self) -> JSON:
-        return {
+        out = {
             **self.device_id.to_json(),
             "Name": self.name,
             "Weights": _nullable(self.weights),
             "Cache": _nullable(self.cache),
             "Graph": self.graph,
         }
+        if self.vision_weights or self.vision_graph:
+            out.update(VisionWeights=self.vision_weights, VisionGraph=self.vision_graph)
+        return out
 
     @classmethod
     def from_json(cls, data: JSON) -> DeviceMemory:
@@ -93,6 +101,8 @@ class DeviceMemory:
             weights=list(data.get("Weights") or []),
             cache=list(data.get("Cache") or []),
             graph=data.get("Graph", 0),
+            vision_weights=data.get("VisionWeights", 0),
+            vision_graph=data.get("VisionGraph", 0),
         )
 
     def go_format(self) -> str:
@@ -158,8 +168,11 @@ class BackendMemory:
         """(what, device name, bytes) rows in the order of Ollama's `BackendMemory.Log`; zero rows omitted."""
         rows: list[tuple[str, str, int]] = []
         for gpu in self.gpus:
-            rows.append(("model weights", gpu.name, sum(gpu.weights)))
-        rows.append(("model weights", self.cpu.name, self.input_weights + sum(self.cpu.weights)))
+            rows.append(("model weights", gpu.name, sum(gpu.weights) - gpu.vision_weights))
+        rows.append(("model weights", self.cpu.name, self.input_weights + sum(self.cpu.weights)
+                     - self.cpu.vision_weights))
+        for device in [*self.gpus, self.cpu]:
+            rows.append(("vision weights", device.name, device.vision_weights))
         for gpu in self.gpus:
             rows.append(("kv cache", gpu.name, sum(gpu.cache)))
         rows.append(("kv cache", self.cpu.name, sum(self.cpu.cache)))

@@ -9,7 +9,6 @@ the same sizes are measured and nothing is allocated.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from ollama_engine.models.vision import load_vision
 from ollama_engine.runner.images import ImageEncoder
 from ollama_engine.runner.prompt_cache import InputCache
 from ollama_engine.runner.speculate import verify_rows
+from ollama_engine.runner.tower_memory import output_device, with_tower
 
 log = logging.getLogger(__name__)
 
@@ -65,11 +65,7 @@ class LoadedModel:
         memory = self.model.backend.memory
         if self.images is None:
             return memory
-        tower = self.images.tower.backend.memory
-        combined = dataclasses.replace(memory, cpu=dataclasses.replace(memory.cpu, weights=list(memory.cpu.weights)))
-        combined.cpu.weights[-1] += tower.input_weights + sum(tower.cpu.weights)
-        combined.cpu.graph = max(memory.cpu.graph, tower.cpu.graph)
-        return combined
+        return with_tower(memory, self.images.tower.backend.memory)
 
     def load(self, progress: Callable[[float], None] | None = None) -> None:
         """Read the weights: the model's, then its vision tower's."""
@@ -130,7 +126,8 @@ def open_model(path: str, params: LoadParams, allocate: bool) -> LoadedModel:
         source = params.projector_path or path
         tower = load_vision(source, allocate=allocate, num_threads=params.num_threads or None,
                             flash_attention=_flash_attention(params),
-                            file=None if params.projector_path else model.backend.model)
+                            file=None if params.projector_path else model.backend.model,
+                            device=output_device(params.gpu_layers, model.backend.block_count))
         if tower is None and params.projector_path:
             raise ValueError(f"{params.projector_path}: not a vision projector")
         if tower is not None:
