@@ -9,7 +9,8 @@ Measures, with `--slots` (4) sequences sharing each server's model:
     milliseconds per generated token of each process: the two busiest threads of the runner and of
     llama-server (ggml's compute threads), their other threads, serve and this client. Both servers run
     at once and take turns, in --rounds rounds with their order swapped each round (medians; the ratio
-    is the median of the rounds' ratios), so that the machine's drift hits both alike;
+    is the median of the rounds' ratios), so that the machine's drift hits both alike; with --runner a runner
+    alone (no serve: Ollama's runner protocol straight from this client) takes its turn too;
   * the serve -> runner hop: single-stream decode speed and first-token time through serve against the
     same requests sent straight to a runner (loaded by fit -> alloc -> commit as serve's scheduler does);
   * multi-turn chat: the second turn's first-token time against the first's, on a ~2,000-token conversation
@@ -223,10 +224,18 @@ def interleaved(servers: dict[str, tuple[Callable[[str, int], Stream], dict[str,
                                  for key in runs[0]["cpu_ms_per_token"]},
             "rounds_tps": [r["aggregate_tps"] for r in runs], "tokens": [r["tokens"] for r in runs],
         } for count, runs in by_count.items()}
+    def ratios(ours: str, theirs: str) -> dict[str, float]:
+        """Per stream count, the median over the rounds of the round's t/s ratio."""
+        return {count: median([a["aggregate_tps"] / b["aggregate_tps"]
+                               for a, b in zip(rows[ours][count], rows[theirs][count], strict=True)])
+                for count in rows[ours]}
+
     if "llama_server" in rows:
-        results["ratios"] = {count: median([ours["aggregate_tps"] / theirs["aggregate_tps"] for ours, theirs
-                                            in zip(rows["serve"][count], rows["llama_server"][count], strict=True)])
-                             for count in rows["serve"]}
+        results["ratios"] = ratios("serve", "llama_server")
+        if "runner" in rows:
+            results["ratios_runner"] = ratios("runner", "llama_server")
+    if "runner" in rows:
+        results["ratios_serve_runner"] = ratios("serve", "runner")
     return results
 
 
@@ -325,6 +334,8 @@ def main() -> int:
     parser.add_argument("--chat-words", type=int, default=1500, help="first turn of the multi-turn chat (~2k tokens)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--flash-attention", choices=("off", "on"), default="off")
+    parser.add_argument("--runner", action="store_true",
+                        help="also a runner alone (no serve) in the interleaved rounds (flash attention off only)")
     parser.add_argument("--concurrency-only", action="store_true", help="skip the hop and the multi-turn chat")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the interleaved concurrency runs")
     parser.add_argument("--out", type=Path, default=HERE / "out" / "serve_bench.json")
@@ -332,6 +343,8 @@ def main() -> int:
     if args.build_llama_server:
         print(build_llama_server(os.cpu_count() or 2))
         return 0
+    if args.runner and args.flash_attention != "off":
+        parser.error("--runner: workers.start_runner loads without flash attention")
     if not args.model.exists():
         raise SystemExit(f"{args.model} is missing: `python bench/bench.py` writes the synthetic models")
     streams = [int(s) for s in args.streams.split(",")]
@@ -350,6 +363,11 @@ def main() -> int:
         generate = serve_generate(url, "bench", num_ctx, args.threads)
         generate(prompt_text(997, 8), 4)  # loads the model: its runner is then serve's child
         servers = {"serve": (generate, serve_pids())}
+        if args.runner:  # the runner alone, loaded as serve's scheduler loads it, driven over Ollama's protocol
+            worker = WorkerArgs(engine="runner", task="single", model=str(args.model), prompts={}, threads=args.threads,
+                                t0=time.time(), gpu=False, streams=streams, verbose=False)
+            handle = stack.enter_context(start_runner(worker, num_ctx, args.slots)[0])
+            servers["runner"] = (runner_completion(handle), {"runner": handle.process.pid})
         if args.llama_server.exists() or shutil.which(str(args.llama_server)):
             llama_url, llama_pid = stack.enter_context(llama_server(args, num_ctx))
             servers["llama_server"] = (llama_server_completion(llama_url), {"llama_server": llama_pid})
