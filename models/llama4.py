@@ -26,6 +26,7 @@ from .layers import Output, attend, ffn, head, heads, inputs
 from .moe import Experts, Gating, Routing, bind_experts, moe
 from .options import Options
 from .sliding import swa_layers
+from .vision import place_embeddings
 
 CHUNKED, GLOBAL = 0, 1  # the Wrapper's caches, by layer type
 CHUNK = 8192  # llama.cpp's n_swa for llama4, also the temperature's floor scale
@@ -100,7 +101,7 @@ class Llama4(Model):
     def forward(self, ctx: Context, batch: Batch) -> Tensor | None:
         o, w = self.options, self.weights
         inp = inputs(ctx, batch, len(self.layers))
-        h = w.token_embd.rows(inp.tokens)
+        h = place_embeddings(ctx.input(), batch, w.token_embd.rows(inp.tokens))  # an image's rows: its tower's
         # computed before the layers, where its few small nodes do not crowd a layer's buffers
         temperature = self.temperature(inp.positions) if not all(self.roped) else None
         for i, layer in enumerate(self.layers):
