@@ -53,6 +53,7 @@ def load_model(
     backend = Backend(
         file, gpu_layers, allocate=allocate, num_threads=num_threads, flash_attention=flash_attention,
         repack_weights=repack_weights, unused_tensors=factory.unused_tensors(file.config), use_mmap=use_mmap,
+        tensor_groups=factory.tensor_groups,
     )
     try:
         return factory(backend, tokenizer)

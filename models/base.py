@@ -33,7 +33,7 @@ import numpy as np
 
 from ollama_engine.fs import Config
 from ollama_engine.kvcache import Batch, Cache
-from ollama_engine.ml import Backend, Context, DType, Tensor
+from ollama_engine.ml import Backend, Context, DType, Tensor, TensorGroups
 from ollama_engine.tokenizer import Tokenizer
 
 from .graphs import Graphs
@@ -99,6 +99,16 @@ class Model:
     """Compute each sequence's rows of a batch with the kernels its rows alone would get, where a model's
     float matmuls would otherwise round them by the batch's size (models/alone.py): batched equals solo.
     llama.cpp's batches do not, so a test replaying llama.cpp's multi-sequence batches turns it off."""
+
+    tensor_groups = TensorGroups(
+        outputs=frozenset({"output", "output_norm", "cls", "v", "mm", "s"}),
+        per_layer=frozenset({"rope_freqs", "rope_factors_long", "rope_factors_short"}),
+        tied=(("token_embd.weight", "output.weight"),),
+    )
+    """The tensors that belong to no repeating layer, by name parts, for the Backend to place: llama.cpp's
+    output head (its classifier too) and per-layer RoPE factors, a vision tower stored beside the text model;
+    a file without output.weight uses token_embd's. An architecture with tensors of its own adds them
+    (TensorGroups.extended); any other tensor of no layer is an input weight."""
 
     @classmethod
     def unused_tensors(cls, config: Config) -> Callable[[str], bool]:

@@ -168,6 +168,10 @@ def sparsity(config: Config, blocks: int) -> tuple[float, ...]:
 class Gemma3n(Model):
     reuse_graphs = True
     rope_options = RopeOptions(neox=True)
+    tensor_groups = Model.tensor_groups.extended(  # AltUp's and the per-layer embeddings' (as Ollama places them)
+        outputs=("altup_proj", "altup_unembd_proj", "per_layer_token_embd", "per_layer_model_proj",
+                 "per_layer_proj_norm"),
+        by_row=("per_layer_token_embd.weight",))
 
     @classmethod
     def unused_tensors(cls, config: Config) -> Callable[[str], bool]:

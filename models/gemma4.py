@@ -189,6 +189,9 @@ def kv_donors(swa: tuple[bool, ...], shared: int) -> dict[int, int]:
 @register("gemma4")
 class Gemma4(Model):
     reuse_graphs = True
+    tensor_groups = Model.tensor_groups.extended(  # the per-layer embeddings' (as Ollama places them)
+        outputs=("per_layer_token_embd", "per_layer_model_proj", "per_layer_proj_norm"),
+        by_row=("per_layer_token_embd.weight",))
 
     @classmethod
     def unused_tensors(cls, config: Config) -> Callable[[str], bool]:

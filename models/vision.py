@@ -22,7 +22,7 @@ import numpy as np
 from ollama_engine.fs import Config, GGUFFile
 from ollama_engine.image import DecodedImage, PixelSpec
 from ollama_engine.kvcache import Batch
-from ollama_engine.ml import Backend, Context, DeviceID, DType, GPULayers, ShapeError, Tensor
+from ollama_engine.ml import Backend, Context, DeviceID, DType, GPULayers, ShapeError, Tensor, TensorGroups
 
 from .base import ModelError, require_uint
 from .vit import VisionWeights
@@ -51,6 +51,8 @@ class VisionModel:
     """
 
     projector: ClassVar[str] = ""
+    tensor_groups: ClassVar[TensorGroups] = TensorGroups(outputs=frozenset({"v", "mm"}))
+    """The tower is placed with the text model's output layer."""
     OLLAMA_NAMES: ClassVar[dict[str, str]] = {}
     DEFAULT_PIXELS: ClassVar[PixelSpec] = PixelSpec()
     non_causal: ClassVar[bool] = False
@@ -175,7 +177,7 @@ def load_vision(
     # every tower tensor is in the output layer's group: the output layer's index is the file's block_count
     placed = [GPULayers(device, [file.config.get_uint("block_count", 0)])] if device is not None else []
     backend = Backend(file, placed, allocate=allocate, num_threads=num_threads, flash_attention=flash_attention,
-                      repack_weights=False, unused_tensors=unused)
+                      repack_weights=False, unused_tensors=unused, tensor_groups=VISION_REGISTRY[kind].tensor_groups)
     try:
         return VISION_REGISTRY[kind](backend)
     except BaseException:

@@ -9,9 +9,12 @@ import pytest
 from ollama_engine import ggml
 from ollama_engine.fs import GGUFFile
 from ollama_engine.ggml import backend as ggml_backend
-from ollama_engine.ml import Backend, DeviceID, DType, GPULayers, NoMemory
+from ollama_engine.ml import Backend, DeviceID, DType, GPULayers, NoMemory, TensorGroups
 
 CACHE_CELLS = 256
+GROUPS = TensorGroups(outputs=frozenset({"output", "output_norm"}), per_layer=frozenset({"rope_freqs"}),
+                      tied=(("token_embd.weight", "output.weight"),))
+"""What a Llama model declares (models.base.Model.tensor_groups has more): the Backend only applies it."""
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +33,7 @@ def build_graph(backend: Backend, ctx, n_tokens: int):
 
 def measure(model: GGUFFile, allocate: bool, **options) -> Backend:
     """What the runner does for one /load: weights, a KV cache per layer, worst-case graphs."""
-    backend = Backend(model, allocate=allocate, num_threads=2, **options)
+    backend = Backend(model, allocate=allocate, num_threads=2, tensor_groups=GROUPS, **options)
     cache_ctx = backend.new_context()
     for layer in range(backend.block_count):
         cache_ctx.layer(layer).zeros(DType.F16, 32, 4, CACHE_CELLS)
@@ -66,10 +69,10 @@ def test_fit_reports_exactly_what_alloc_allocates(stories):
 def test_graph_is_the_maximum_over_reserved_graphs(stories):
     sizes = []
     for n_tokens in (1, 64):
-        with Backend(stories, allocate=False) as backend, backend.new_context() as ctx:
+        with Backend(stories, tensor_groups=GROUPS, allocate=False) as backend, backend.new_context() as ctx:
             ctx.reserve(build_graph(backend, ctx, n_tokens))
             sizes.append(backend.memory.cpu.graph)
-    with Backend(stories, allocate=False) as backend:
+    with Backend(stories, tensor_groups=GROUPS, allocate=False) as backend:
         for n_tokens in (64, 1):
             with backend.new_context() as ctx:
                 ctx.reserve(build_graph(backend, ctx, n_tokens))
@@ -78,13 +81,13 @@ def test_graph_is_the_maximum_over_reserved_graphs(stories):
 
 def test_layers_for_unknown_gpus_stay_on_the_cpu(stories):
     layout = [GPULayers(DeviceID("GPU-does-not-exist", "CUDA"), [0, 1, 2, 3, 4, 5])]
-    with Backend(stories, layout, allocate=False) as backend:
+    with Backend(stories, layout, allocate=False, tensor_groups=GROUPS) as backend:
         assert all(device.kind == "CPU" for device in backend.layer_devices)
         assert all(w > 0 for w in backend.memory.cpu.weights)
 
 
 def test_placement_by_name(stories):
-    with Backend(stories, allocate=False) as backend:
+    with Backend(stories, allocate=False, tensor_groups=GROUPS) as backend:
         n = backend.block_count
         assert [(p.name, p.layer) for p in backend.placements("token_embd.weight")] == [("token_embd.weight", None)]
         assert [(p.name, p.layer) for p in backend.placements("output_norm.weight")] == [("output_norm.weight", n)]
@@ -96,18 +99,32 @@ def test_placement_by_name(stories):
             backend.placements("blk.99.attn_q.weight")
 
 
+def test_placement_without_groups_knows_no_names(stories):
+    """The Backend knows no tensor names: without the model's groups every tensor of no layer is an input
+    weight, nothing is copied per layer, and no output head is made from token_embd."""
+    with Backend(stories, allocate=False) as backend:
+        assert [(p.name, p.layer) for p in backend.placements("output_norm.weight")] == [("output_norm.weight", None)]
+        assert [(p.name, p.layer) for p in backend.placements("rope_freqs.weight")] == [("rope_freqs.weight", None)]
+        assert [(p.name, p.layer) for p in backend.placements("blk.3.ffn_up.weight")] == [("blk.3.ffn_up.weight", 3)]
+    groups = GROUPS.extended(outputs=("token_embd",))
+    with Backend(stories, allocate=False, tensor_groups=groups) as backend:
+        assert [(p.name, p.layer) for p in backend.placements("token_embd.weight")] == [
+            ("token_embd.weight", backend.block_count)]
+
+
 def test_too_small_a_budget_reports_what_was_needed(stories):
     with pytest.raises(NoMemory) as failure:
-        Backend(stories, allocate=True, memory_limits={"CPU": 1000})
+        Backend(stories, tensor_groups=GROUPS, allocate=True, memory_limits={"CPU": 1000})
     report = failure.value.memory
     assert report.input_weights > 0 and all(w > 0 for w in report.cpu.weights)  # every weight was sized first
     assert report.cpu.cache == [0] * len(report.cpu.cache) and report.cpu.graph == 0
     assert "insufficient memory - required allocations" in str(failure.value)
 
-    with Backend(stories, allocate=False) as fit:
+    with Backend(stories, tensor_groups=GROUPS, allocate=False) as fit:
         weights_only = fit.memory.input_weights + sum(fit.memory.cpu.weights)
     limit = weights_only + 3 * 2 * 32 * 4 * CACHE_CELLS  # room for 3 cache tensors, not 4
-    with Backend(stories, allocate=True, memory_limits={"CPU": limit}) as backend, backend.new_context() as ctx:
+    with (Backend(stories, tensor_groups=GROUPS, allocate=True, memory_limits={"CPU": limit}) as backend,
+          backend.new_context() as ctx):
         with pytest.raises(NoMemory) as failure:
             for layer in range(backend.block_count):
                 ctx.layer(layer).zeros(DType.F16, 32, 4, CACHE_CELLS)
@@ -118,7 +135,7 @@ def test_too_small_a_budget_reports_what_was_needed(stories):
 
 def test_load_is_byte_exact_with_monotonic_progress(stories):
     seen: list[float] = []
-    with Backend(stories, allocate=True) as backend:
+    with Backend(stories, tensor_groups=GROUPS, allocate=True) as backend:
         backend.load(seen.append)
         raw = stories.path.read_bytes()
         for info in stories.tensors.values():
@@ -128,12 +145,13 @@ def test_load_is_byte_exact_with_monotonic_progress(stories):
 
 
 def test_fit_backend_cannot_load(stories):
-    with Backend(stories, allocate=False) as backend, pytest.raises(RuntimeError, match="without memory allocation"):
+    with (Backend(stories, tensor_groups=GROUPS, allocate=False) as backend,
+          pytest.raises(RuntimeError, match="without memory allocation")):
         backend.load()
 
 
 def test_time_ops_sums_seconds_per_kind_of_node_and_leaves_results_unchanged(stories):
-    with Backend(stories, allocate=True, num_threads=2) as backend:
+    with Backend(stories, tensor_groups=GROUPS, allocate=True, num_threads=2) as backend:
         backend.load()
 
         def run() -> np.ndarray:
@@ -156,7 +174,7 @@ def test_time_ops_sums_seconds_per_kind_of_node_and_leaves_results_unchanged(sto
 
 
 def test_a_failing_op_timer_is_logged_and_the_graph_still_computes(stories, caplog):
-    with Backend(stories, allocate=True, num_threads=2) as backend:
+    with Backend(stories, tensor_groups=GROUPS, allocate=True, num_threads=2) as backend:
         backend.load()
         timed: list[str] = []
 

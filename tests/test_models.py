@@ -81,18 +81,18 @@ def test_unknown_architecture_is_an_error_naming_it():
 
 
 def test_bind_fills_fields_and_leaves_missing_optional_tensors_none(synthetic):
-    with Backend(GGUFFile.open(synthetic("llama")), allocate=False) as backend:
+    with Backend(GGUFFile.open(synthetic("llama")), allocate=False, tensor_groups=Llama.tensor_groups) as backend:
         layer = bind(LlamaLayer, backend, "blk.1.")
         assert layer.attn_q is backend.get("blk.1.attn_q.weight")
         assert layer.rope_freqs is backend.get("blk.1.rope_freqs.weight") is not None  # tiny-llama has them
-    with Backend(GGUFFile.open(synthetic("qwen2")), allocate=False) as backend:
+    with Backend(GGUFFile.open(synthetic("qwen2")), allocate=False, tensor_groups=Qwen2.tensor_groups) as backend:
         layer = bind(Qwen2Layer, backend, "blk.0.")
         assert layer.rope_freqs is None
         assert layer.attn_k_bias.shape == (32,)
 
 
 def test_missing_required_tensor_is_an_error_naming_it(synthetic):
-    with Backend(GGUFFile.open(synthetic("llama")), allocate=False) as backend:
+    with Backend(GGUFFile.open(synthetic("llama")), allocate=False, tensor_groups=Llama.tensor_groups) as backend:
         with pytest.raises(ModelError, match=r"missing required tensor blk\.0\.attn_q\.bias"):
             bind(Qwen2Layer, backend, "blk.0.")
     # a qwen2 file written without QKV biases fails at load, naming the first missing one

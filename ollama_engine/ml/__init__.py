@@ -6,11 +6,11 @@ Shapes are in ggml order, fastest dimension first (see tensor.py).
 from .context import Context
 from .device import Device, cpu_device, devices, gpu_devices
 from .memory import BackendMemory, DeviceID, DeviceMemory, GPULayers, GPULayersList, NoMemory
-from .model_backend import Backend, Placement, TensorCapture
+from .model_backend import Backend, Placement, TensorCapture, TensorGroups
 from .tensor import DType, RopeOptions, ShapeError, Tensor, hadamard_matrix
 
 __all__ = [
     "Backend", "BackendMemory", "Context", "DType", "Device", "DeviceID", "DeviceMemory", "GPULayers",
-    "GPULayersList", "NoMemory", "Placement", "RopeOptions", "ShapeError", "Tensor", "TensorCapture", "cpu_device",
-    "devices", "gpu_devices", "hadamard_matrix",
+    "GPULayersList", "NoMemory", "Placement", "RopeOptions", "ShapeError", "Tensor", "TensorCapture", "TensorGroups",
+    "cpu_device", "devices", "gpu_devices", "hadamard_matrix",
 ]

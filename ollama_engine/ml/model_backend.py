@@ -38,13 +38,6 @@ from .tensor import Tensor
 
 log = logging.getLogger(__name__)
 
-INPUT_PARTS = {"position_embd", "token_embd", "token_norm_embd", "token_types"}
-OUTPUT_PARTS = {
-    "cls", "output", "output_norm", "altup_proj", "altup_unembd_proj",
-    "per_layer_token_embd", "per_layer_model_proj", "per_layer_proj_norm",
-}
-PER_LAYER_PARTS = {"rope_freqs", "rope_factors_long", "rope_factors_short"}
-ROW_TENSORS = {"per_layer_token_embd.weight"}  # placed with a layer, but only read by row (get_rows)
 LOAD_CHUNK = 4 << 20
 HUGE_PAGE_MODES = ("collapse", "fault", "off")
 COLLAPSE_IDLE = 0.05  # seconds without a graph compute before weights are moved onto huge pages
@@ -60,6 +53,25 @@ def huge_page_mode() -> str:
 
 
 @dataclass(frozen=True)
+class TensorGroups:
+    """Which of a file's tensors belong to no repeating layer, by the dot-separated parts of their names. The
+    model declares them (models.base.Model.tensor_groups); the Backend only applies them. A tensor in no group
+    goes with the layer its name numbers (blk.3.*), or, numbering none, is an input weight on the CPU."""
+
+    outputs: frozenset[str] = frozenset()  # a name with one of these parts: the output layer's (block_count)
+    per_layer: frozenset[str] = frozenset()  # a name with one of these parts: copied into every layer, blk.<i>.<name>
+    by_row: frozenset[str] = frozenset()  # whole names placed with a layer but only read by row (get_rows):
+    # never in a repacked layout, which get_rows cannot read
+    tied: tuple[tuple[str, str], ...] = ()  # (source, copy): the copy made from the source where the file lacks it
+
+    def extended(self, *, outputs: Iterable[str] = (), per_layer: Iterable[str] = (),
+                 by_row: Iterable[str] = ()) -> TensorGroups:
+        """These groups with more names: how an architecture adds its own tensors to its base's."""
+        return TensorGroups(self.outputs | frozenset(outputs), self.per_layer | frozenset(per_layer),
+                            self.by_row | frozenset(by_row), self.tied)
+
+
+@dataclass(frozen=True)
 class Placement:
     """Where one model tensor lives: its name in the model, layer index (None = input) and device."""
 
@@ -72,6 +84,7 @@ class Backend:
     """The weights of one GGUF on the devices a GPULayers list chooses, and a scheduler over them.
 
     With no model it is a bare compute backend (no weights, block_count 0): handy for tests and tools.
+    tensor_groups says which tensors belong to no layer (the model's declaration; none by default).
     unused_tensors names the file's tensors the model never reads (a vision tower beside a text model):
     they take no memory and are left out of the memory report, as llama.cpp skips them.
     """
@@ -88,8 +101,10 @@ class Backend:
         repack_weights: bool = True,
         unused_tensors: Callable[[str], bool] | None = None,
         use_mmap: bool = False,
+        tensor_groups: TensorGroups | None = None,
     ):
         self.model = model
+        self.tensor_groups = tensor_groups or TensorGroups()
         self.unused_tensors = unused_tensors or (lambda name: False)  # neither allocated, counted nor read
         self.repack_weights = repack_weights
         self.allocate = allocate
@@ -155,16 +170,16 @@ class Backend:
 
     def placements(self, name: str) -> list[Placement]:
         """Every tensor a file tensor becomes (tied output weights and per-layer RoPE factors are copied)."""
+        groups = self.tensor_groups
+        copies = [copy for source, copy in groups.tied if source == name and copy not in self.model.tensors]
+        return [placement for one in (name, *copies) for placement in self._placements(one, groups)]
+
+    def _placements(self, name: str, groups: TensorGroups) -> list[Placement]:
         parts = name.split(".")
         output = self.block_count
-        if parts[0] in INPUT_PARTS:
-            placed = [Placement(name, None, self.cpu)]
-            if name == "token_embd.weight" and "output.weight" not in self.model.tensors:
-                placed.append(Placement("output.weight", output, self.layer_device(output)))
-            return placed
-        if PER_LAYER_PARTS.intersection(parts):
+        if groups.per_layer.intersection(parts):
             return [Placement(f"blk.{i}.{name}", i, self.layer_device(i)) for i in range(self.block_count)]
-        if OUTPUT_PARTS.intersection(parts) or parts[0] in ("v", "mm", "s"):
+        if groups.outputs.intersection(parts):
             return [Placement(name, output, self.layer_device(output))]
         number = re.search(r"\d+", name)
         if number is None:
@@ -224,11 +239,11 @@ class Backend:
 
         Repacked layouts (ggml's CPU_REPACK, e.g. Q4_0 in interleaved blocks on AVX2) have faster matmul
         kernels (for stacked experts' mul_mat_id too); llama.cpp uses them by default. Input tensors (token
-        embeddings) are read by row, not multiplied, so they keep the plain layout, as do ROW_TENSORS (ggml's
-        get_rows cannot read a repacked tensor).
+        embeddings) are read by row, not multiplied, so they keep the plain layout, as do the model's by_row
+        tensors (ggml's get_rows cannot read a repacked tensor).
         """
         device = placement.device
-        by_row = info.name in ROW_TENSORS
+        by_row = info.name in self.tensor_groups.by_row
         if device is self.cpu and placement.layer is not None and len(info.shape) in (2, 3) and not by_row:
             for buft in extra:
                 if ggml_backend.supports_matmul_weight(device.handle, buft, int(info.ggml_type), tuple(info.shape),
@@ -557,4 +572,4 @@ def read_at(fd: int, offset: int, into: memoryview) -> memoryview:
     return into
 
 
-__all__ = ["Backend", "GGMLType", "Placement", "TensorCapture"]
+__all__ = ["Backend", "GGMLType", "Placement", "TensorCapture", "TensorGroups"]
