@@ -2,10 +2,12 @@
 where wall time is not; wall seconds are printed beside them): imports until /health answers, then each
 /load of fit -> alloc -> commit as Ollama's parent sends them, then reading the weights until /health
 says ready. Also its peak RSS, its memory at ready (anonymous and file-backed, from smaps_rollup), and
-the weights' move onto 2 MiB pages that follows in the background (OLLAMA_ENGINE_HUGE_PAGES=collapse):
-its CPU seconds and AnonHugePages.
+the work that follows ready in the background: the tokenizer's BPE model (built once the runner is ready,
+see server/app.py; a first request waits for it) and the weights' move onto 2 MiB pages
+(OLLAMA_ENGINE_HUGE_PAGES=collapse): its CPU seconds and AnonHugePages.
 
     .venv/bin/python bench/ready_cpu.py bench/out/llama-3.2-1b-Q4_0.gguf bench/out/smollm2-135m-Q8_0.gguf
+    .venv/bin/python bench/ready_cpu.py --mmap bench/out/llama-3.2-1b-f16-F16.gguf   # mapped, as llama.cpp
 """
 
 from __future__ import annotations
