@@ -308,16 +308,16 @@ class DeepSeek2(Model):
     def _temper(q: Tensor, temperature: Tensor | None, i: int) -> Tensor:
         return q if temperature is None else q.mul(temperature).set_name(f"Qcur_attn_temp_scaled-{i}")
 
-    def feed_forward(self, layer: Layer, x: Tensor, i: int) -> Tensor:
+    def feed_forward(self, layer: Layer, x: Tensor, i: int, rows: tuple[int, ...]) -> Tensor:
         if i < self.options.leading_dense:
             return ffn(x, layer.ffn_gate, layer.ffn_up, layer.ffn_down, i)
-        out = moe(x, self.experts[i], self.routing, i)
+        out = moe(x, self.experts[i], self.routing, i, rows=rows)
         shared = ffn(x, layer.ffn_gate_shexp, layer.ffn_up_shexp, layer.ffn_down_shexp, i)
         return out.add(shared.set_name(f"ffn_shexp-{i}"))
 
     def forward(self, ctx: Context, batch: Batch) -> Tensor | None:
         o, w = self.options, self.weights
-        inp = inputs(ctx, batch, len(self.layers))
+        inp = inputs(ctx, batch, len(self.layers), self.rows_alone)
         h = w.token_embd.rows(inp.tokens).set_name("embd")
         temperature = {name: ctx.input().from_numpy(values).set_name(name)
                        for name, values in self.batch_inputs(batch).items()}.get("attn_scale")
@@ -329,7 +329,8 @@ class DeepSeek2(Model):
                 return None
             x, h = inp.rows(i, x, h)
             h = layer.attn_output.matmul(x).add(h).set_name(f"ffn_inp-{i}")
-            x = self.feed_forward(layer, h.rms_norm(layer.ffn_norm, o.eps).set_name(f"ffn_norm-{i}"), i)
+            x = self.feed_forward(layer, h.rms_norm(layer.ffn_norm, o.eps).set_name(f"ffn_norm-{i}"), i,
+                                  inp.sequence_rows(i))
             h = x.set_name(f"ffn_out-{i}").add(h).set_name(f"l_out-{i}")
         return head(h, w.output_norm, w.output, o.eps)
 

@@ -35,6 +35,7 @@ from ollama_engine.kvcache import Batch, Causal, Wrapper, attention
 from ollama_engine.ml import Backend, Context, RopeOptions, Tensor
 from ollama_engine.tokenizer import Tokenizer
 
+from .alone import sequence_rows
 from .base import Model, ModelError, bind, register, require_uint, weight
 from .moe import Experts, Gating, Routing, bind_experts, moe
 
@@ -271,9 +272,9 @@ class Gemma4(Model):
         x = layer.inp_gate.matmul(h).gelu().mul(inputs)
         return layer.proj.matmul(x).rms_norm(layer.post_norm, self.options.eps)
 
-    def feed_forward(self, layer: Layer, h: Tensor, i: int) -> Tensor:
+    def feed_forward(self, layer: Layer, h: Tensor, i: int, rows: tuple[int, ...]) -> Tensor:
         """The FFN's output for the residual h, before its post-norm: the dense GELU FFN, and in a mixture
-        layer the experts beside it."""
+        layer the experts beside it (routing each sequence's `rows` as alone, models/alone.py)."""
         eps = self.options.eps
         x = h.rms_norm(layer.ffn_norm, eps).set_name(f"ffn_norm-{i}")
         dense = layer.ffn_down.matmul(layer.ffn_gate.matmul(x).gelu(layer.ffn_up.matmul(x)))
@@ -284,7 +285,7 @@ class Gemma4(Model):
         routed = h.rms_norm(None, eps).scale(f32_reciprocal(f32_sqrt(self.options.hidden)))
         x = h.rms_norm(layer.pre_ffw_norm_2, eps).set_name(f"ffn_norm_2-{i}")
         mixed = moe(x, experts, self.routing, i, Tensor.gelu, router_input=routed.mul(layer.ffn_gate_inp_scale),
-                    gate_up_halves=True)
+                    gate_up_halves=True, rows=rows)
         mixed = mixed.rms_norm(layer.post_ffw_norm_2, eps).set_name(f"ffn_moe-{i}")
         return dense.add(mixed).set_name(f"ffn_moe_combined-{i}")
 
@@ -299,6 +300,7 @@ class Gemma4(Model):
         per_layer = self.per_layer_inputs(tokens, h) if o.per_layer_dim else None
         outputs = inputs.from_numpy(batch.outputs).set_name("outputs") if len(batch.outputs) else None
         last = o.blocks - 1
+        rows = sequence_rows(batch.sequences) if self.rows_alone else ()  # per sequence, for the router
         for i, layer in enumerate(self.layers):
             self.cache.set_layer(i)
             self.cache.set_layer_type(SWA if o.swa[i] else GLOBAL)
@@ -313,9 +315,10 @@ class Gemma4(Model):
                     return None  # the keys and values are stored; nothing else is wanted
                 x, h = x.rows(outputs), h.rows(outputs)
                 mine = mine.rows(outputs) if mine is not None else None
+                rows = sequence_rows(batch.sequences[batch.outputs]) if self.rows_alone else ()
             x = layer.attn_output.matmul(x).rms_norm(layer.post_attention_norm, o.eps).set_name(f"attn_post_norm-{i}")
             h = x.add(h).set_name(f"attn_out-{i}")
-            h = self.feed_forward(layer, h, i).rms_norm(layer.post_ffw_norm, o.eps).add(h)
+            h = self.feed_forward(layer, h, i, rows).rms_norm(layer.post_ffw_norm, o.eps).add(h)
             if mine is not None:
                 h = h.add(self.per_layer_embedding(layer, h, mine))
             if layer.layer_output_scale is not None:

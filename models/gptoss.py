@@ -106,15 +106,15 @@ class GptOss(Model):
                 heads(x, layer.attn_k, layer.attn_k_bias, o.head_dim, o.kv_heads),
                 heads(x, layer.attn_v, layer.attn_v_bias, o.head_dim, o.kv_heads))
 
-    def feed_forward(self, x: Tensor, i: int) -> Tensor:
+    def feed_forward(self, x: Tensor, i: int, rows: tuple[int, ...]) -> Tensor:
         def swiglu_oai(gate: Tensor, up: Tensor) -> Tensor:
             return gate.swiglu_oai(up, SWIGLU_ALPHA, SWIGLU_LIMIT)
 
-        return moe(x, self.experts[i], self.routing, i, swiglu_oai)
+        return moe(x, self.experts[i], self.routing, i, swiglu_oai, rows=rows)
 
     def forward(self, ctx: Context, batch: Batch) -> Tensor | None:
         o, w = self.options, self.weights
-        inp = inputs(ctx, batch, len(self.layers))
+        inp = inputs(ctx, batch, len(self.layers), self.rows_alone)
         h = w.token_embd.rows(inp.tokens)
         for i, layer in enumerate(self.layers):
             self.cache.set_layer(i)
@@ -126,7 +126,7 @@ class GptOss(Model):
             x = linear(x, layer.attn_output, layer.attn_output_bias).set_name(f"attn_out-{i}")
             h = x.add(h).set_name(f"ffn_inp-{i}")
             x = h.rms_norm(layer.post_attention_norm, o.eps).set_name(f"attn_post_norm-{i}")
-            h = self.feed_forward(x, i).add(h).set_name(f"l_out-{i}")
+            h = self.feed_forward(x, i, inp.batch_rows).add(h).set_name(f"l_out-{i}")  # every row: outputs come last
         if inp.outputs is None:
             return None  # the keys and values are stored; nothing else is wanted
         return head(h.rows(inp.outputs), w.output_norm, w.output, o.eps)  # llama.cpp takes the rows last here

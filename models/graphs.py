@@ -22,6 +22,8 @@ import numpy as np
 from ollama_engine.kvcache import Batch
 from ollama_engine.ml import Context, Tensor
 
+from .alone import sequence_rows
+
 if TYPE_CHECKING:
     from .base import Model
 
@@ -119,7 +121,8 @@ class Graphs:
         layout = model.cache.prepare(batch) if model.cache is not None else None
         # a batch with images has inputs of its own (the embeddings, the image rows' both-ways masks): built for it
         reusable = model.reuse_graphs and layout is not None and not batch.embeddings
-        key = (layout, len(batch.outputs)) if reusable else None
+        # the output rows per sequence too: a mixture's router splits them so (models/alone.py)
+        key = (layout, sequence_rows(batch.sequences[batch.outputs])) if reusable else None
         with self._lock:
             current = self._current
             if key is not None and current is not None and current.key == key:

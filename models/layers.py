@@ -27,6 +27,7 @@ import numpy as np
 from ollama_engine.kvcache import Batch, Cache, attention
 from ollama_engine.ml import Context, Tensor
 
+from .alone import sequence_rows
 from .base import weight
 
 
@@ -73,12 +74,15 @@ class LlamaLayer(LlamaMoeLayer):
 
 @dataclass(frozen=True)
 class Inputs:
-    """A batch's graph inputs beside the cache's: token ids, positions and the rows that want logits."""
+    """A batch's graph inputs beside the cache's: token ids, positions and the rows that want logits; and how
+    many consecutive rows each sequence has, which a mixture's router needs (moe.moe's `rows`)."""
 
     tokens: Tensor
     positions: Tensor
     outputs: Tensor | None  # None: no row wants logits
     last: int  # the last layer's index
+    batch_rows: tuple[int, ...] = ()  # rows per sequence in the batch; () where not counted (alone off)
+    output_rows: tuple[int, ...] = ()  # rows per sequence among the rows that want logits
 
     def done(self, layer: int) -> bool:
         """Whether nothing after this layer's mixing is wanted: the last layer, and no row wants logits (the
@@ -91,16 +95,26 @@ class Inputs:
             return xs
         return tuple(x.rows(self.outputs) for x in xs)
 
+    def sequence_rows(self, layer: int) -> tuple[int, ...]:
+        """The rows per sequence that layer `layer` computes after rows(): the batch's, or in the last layer
+        those of the rows that want logits. () where the model rounds rows by the whole batch (rows_alone)."""
+        return self.output_rows if layer == self.last and self.outputs is not None else self.batch_rows
 
-def inputs(ctx: Context, batch: Batch, layers: int) -> Inputs:
-    """The batch's token ids, positions and output rows as graph inputs, named as graphs.BATCH_INPUTS."""
+
+def inputs(ctx: Context, batch: Batch, layers: int, alone: bool = True) -> Inputs:
+    """The batch's token ids, positions and output rows as graph inputs, named as graphs.BATCH_INPUTS.
+    alone: count each sequence's rows (Model.rows_alone), so that a router rounds them as their batch alone
+    would (models/alone.py); a graph is reused only for batches whose counts are the same (graphs.py)."""
     if batch.tokens is None:
         raise ValueError("a text model's batch needs token ids")
     made = ctx.input()
     positions = made.from_numpy(batch.positions).set_name("positions")
     tokens = made.from_numpy(batch.tokens).set_name("tokens")
     outputs = made.from_numpy(batch.outputs).set_name("outputs") if len(batch.outputs) else None
-    return Inputs(tokens, positions, outputs, layers - 1)
+    if not alone:
+        return Inputs(tokens, positions, outputs, layers - 1)
+    return Inputs(tokens, positions, outputs, layers - 1, sequence_rows(batch.sequences),
+                  sequence_rows(batch.sequences[batch.outputs]))
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:

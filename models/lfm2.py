@@ -102,11 +102,11 @@ class Lfm2(Model):
         """Whether the layer's FFN is a plain SwiGLU (every layer's, in lfm2)."""
         return True
 
-    def feed_forward(self, x: Tensor, layer: int) -> Tensor:
-        """The FFN's output for the normed hidden states x of `layer`."""
+    def feed_forward(self, x: Tensor, layer: int, rows: tuple[int, ...]) -> Tensor:
+        """The FFN's output for the normed hidden states x of `layer` (rows: per sequence, for a router)."""
         if not self.is_dense(layer):
             assert self.routing is not None
-            return moe(x, self.experts[layer], self.routing, layer)
+            return moe(x, self.experts[layer], self.routing, layer, rows=rows)
         dense = self.dense[layer]
         return ffn(x, dense.ffn_gate, dense.ffn_up, dense.ffn_down, layer)
 
@@ -142,7 +142,7 @@ class Lfm2(Model):
         return layer.attn_output.matmul(x).set_name(f"model.layers.{{}}.self_attn.out_proj-{i}")
 
     def forward(self, ctx: Context, batch: Batch) -> Tensor | None:
-        inp = inputs(ctx, batch, self.blocks)
+        inp = inputs(ctx, batch, self.blocks, self.rows_alone)
         h = self.weights.token_embd.rows(inp.tokens)
         for i, layer in enumerate(self.layers):
             self.cache.set_layer(i)
@@ -155,7 +155,8 @@ class Lfm2(Model):
                 return None
             x, h = inp.rows(i, x, h)
             h = h.add(x)
-            h = h.add(self.feed_forward(h.rms_norm(layer.ffn_norm, self.eps), i)).set_name(f"l_out-{i}")
+            x = self.feed_forward(h.rms_norm(layer.ffn_norm, self.eps), i, inp.sequence_rows(i))
+            h = h.add(x).set_name(f"l_out-{i}")
         return head(h, self.weights.output_norm, self.weights.output, self.eps)
 
 

@@ -65,17 +65,18 @@ class Llama(Model):
         return (heads(x, layer.attn_q, None, o.head_dim, o.heads), heads(x, layer.attn_k, None, o.head_dim, o.kv_heads),
                 heads(x, layer.attn_v, None, o.head_dim, o.kv_heads))
 
-    def feed_forward(self, layer: LlamaMoeLayer, x: Tensor, i: int) -> Tensor:
-        """Layer i's FFN of the normed hidden states x: its mixture of experts, or SwiGLU."""
+    def feed_forward(self, layer: LlamaMoeLayer, x: Tensor, i: int, rows: tuple[int, ...]) -> Tensor:
+        """Layer i's FFN of the normed hidden states x: its mixture of experts (routing each sequence's `rows` as
+        alone), or SwiGLU."""
         experts = self.experts[i]
         if experts is not None and self.routing is not None:
-            return moe(x, experts, self.routing, i)
+            return moe(x, experts, self.routing, i, rows=rows)
         assert isinstance(layer, LlamaLayer)
         return ffn(x, layer.ffn_gate, layer.ffn_up, layer.ffn_down, i)
 
     def forward(self, ctx: Context, batch: Batch) -> Tensor | None:
         o, w = self.options, self.weights
-        inp = inputs(ctx, batch, len(self.layers))
+        inp = inputs(ctx, batch, len(self.layers), self.rows_alone)
         h = place_embeddings(ctx.input(), batch, w.token_embd.rows(inp.tokens).set_name("embd"))  # images' rows
         temperature = {name: ctx.input().from_numpy(values).set_name(name)
                        for name, values in self.batch_inputs(batch).items()}.get("attn_scale")
@@ -91,7 +92,8 @@ class Llama(Model):
                 return None
             x, h = inp.rows(i, x, h)
             h = layer.attn_output.matmul(x).set_name(f"attn_out-{i}").add(h).set_name(f"ffn_inp-{i}")
-            x = self.feed_forward(layer, h.rms_norm(layer.ffn_norm, o.eps).set_name(f"ffn_norm-{i}"), i)
+            x = self.feed_forward(layer, h.rms_norm(layer.ffn_norm, o.eps).set_name(f"ffn_norm-{i}"), i,
+                                  inp.sequence_rows(i))
             h = x.set_name(f"ffn_out-{i}").add(h).set_name(f"l_out-{i}")
         return head(h, w.output_norm, w.output, o.eps)
 

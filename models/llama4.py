@@ -89,18 +89,18 @@ class Llama4(Model):
     def shift(self, ctx: Context, layer: int, key: Tensor, delta: Tensor) -> Tensor:
         return self.rope(key, delta, layer)
 
-    def feed_forward(self, layer: Layer, x: Tensor, i: int) -> Tensor:
+    def feed_forward(self, layer: Layer, x: Tensor, i: int, rows: tuple[int, ...]) -> Tensor:
         """A dense SwiGLU, or the mixture plus the shared expert."""
         experts = self.experts[i]
         if experts is None:
             return ffn(x, layer.ffn_gate, layer.ffn_up, layer.ffn_down, i)
-        mixed = moe(x, experts, self.routing, i)
+        mixed = moe(x, experts, self.routing, i, rows=rows)
         shared = ffn(x, layer.ffn_gate_shexp, layer.ffn_up_shexp, layer.ffn_down_shexp, i)
         return mixed.add(shared.set_name(f"ffn_moe_shexp-{i}")).set_name(f"ffn_moe_out_merged-{i}")
 
     def forward(self, ctx: Context, batch: Batch) -> Tensor | None:
         o, w = self.options, self.weights
-        inp = inputs(ctx, batch, len(self.layers))
+        inp = inputs(ctx, batch, len(self.layers), self.rows_alone)
         h = place_embeddings(ctx.input(), batch, w.token_embd.rows(inp.tokens))  # an image's rows: its tower's
         # computed before the layers, where its few small nodes do not crowd a layer's buffers
         temperature = self.temperature(inp.positions) if not all(self.roped) else None
@@ -123,7 +123,8 @@ class Llama4(Model):
                 return None
             x, h = inp.rows(i, x, h)
             h = x.add(h).set_name(f"ffn_inp-{i}")
-            h = self.feed_forward(layer, h.rms_norm(layer.ffn_norm, o.eps), i).add(h).set_name(f"l_out-{i}")
+            x = self.feed_forward(layer, h.rms_norm(layer.ffn_norm, o.eps), i, inp.sequence_rows(i))
+            h = x.add(h).set_name(f"l_out-{i}")
         return head(h, w.output_norm, w.output, o.eps)
 
     @staticmethod

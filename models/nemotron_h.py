@@ -171,13 +171,15 @@ class NemotronH(Model):
         x = attention(ctx, q, k, v, self.kq_scale, self.cache).reshape(d * heads, n)
         return linear(x, layer.attn_output, layer.output_bias).set_name(f"attn_out-{i}")
 
-    def mlp(self, layer: MlpLayer, x: Tensor, i: int) -> Tensor:
+    def mlp(self, layer: MlpLayer, x: Tensor, i: int, rows: tuple[int, ...]) -> Tensor:
+        """The MLP layer's output; rows: per sequence, for a mixture's router (NemotronHMoe)."""
         up = linear(x, layer.ffn_up, layer.up_bias).relu().sqr()
         # llama.cpp names this ffn_out, then (its control vector applied) l_out
         return linear(up, layer.ffn_down, layer.down_bias).set_name(f"l_out-{i}")
 
     def forward(self, ctx: Context, batch: Batch) -> Tensor | None:
-        inp = inputs(ctx, batch, self.blocks)  # positions unused (no RoPE), but a reused graph sets them
+        # positions unused (no RoPE), but a reused graph sets them
+        inp = inputs(ctx, batch, self.blocks, self.rows_alone)
         ids = ctx.input().from_numpy(np.zeros(1, dtype=np.int32)).set_name("ssm_ids")  # the one state slot scanned
         h = self.weights.token_embd.rows(inp.tokens)
         for i, layer in enumerate(self.layers):
@@ -188,7 +190,7 @@ class NemotronH(Model):
             elif isinstance(layer, AttentionLayer):
                 x = self.self_attention(ctx, layer, x, i)
             else:
-                x = self.mlp(layer, x, i)
+                x = self.mlp(layer, x, i, inp.batch_rows)  # every row: the outputs are taken after
             if inp.done(i):
                 return None
             x, h = inp.rows(i, x, h)
@@ -235,7 +237,7 @@ class NemotronHMoe(NemotronH):
         cls = super().layer_class(layer)
         return MoeLayer if cls is MlpLayer else cls
 
-    def mlp(self, layer: MoeLayer, x: Tensor, i: int) -> Tensor:  # type: ignore[override]
-        routed = moe(x, self.experts[i], self.routing, i, relu_squared)
+    def mlp(self, layer: MoeLayer, x: Tensor, i: int, rows: tuple[int, ...]) -> Tensor:  # type: ignore[override]
+        routed = moe(x, self.experts[i], self.routing, i, relu_squared, rows=rows)
         shared = layer.down_shexp.matmul(layer.up_shexp.matmul(x).relu().sqr()).set_name(f"ffn_shexp-{i}")
         return routed.add(shared).set_name(f"l_out-{i}")

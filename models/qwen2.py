@@ -15,6 +15,7 @@ from ollama_engine.kvcache import Batch, Causal
 from ollama_engine.ml import Backend, Context, RopeOptions, Tensor
 from ollama_engine.tokenizer import Tokenizer
 
+from .alone import matmul_alone
 from .base import Model, ModelError, bind, register, weight
 from .layers import Output, attend, ffn, head, heads, inputs
 from .moe import Experts, Gating, Routing, bind_experts, moe
@@ -77,13 +78,14 @@ class Qwen2(Model):
     def shift(self, ctx: Context, layer: int, key: Tensor, delta: Tensor) -> Tensor:
         return self.rope(key, delta, layer)
 
-    def feed_forward(self, layer: Attention, x: Tensor, i: int) -> Tensor:
+    def feed_forward(self, layer: Attention, x: Tensor, i: int, rows: tuple[int, ...] = ()) -> Tensor:
+        """Layer i's FFN; rows: the rows per sequence, for a mixture's router (layers.Inputs.sequence_rows)."""
         assert isinstance(layer, Qwen2Layer)
         return ffn(x, layer.ffn_gate, layer.ffn_up, layer.ffn_down, i)
 
     def forward(self, ctx: Context, batch: Batch) -> Tensor | None:
         o, w = self.options, self.weights
-        inp = inputs(ctx, batch, len(self.layers))
+        inp = inputs(ctx, batch, len(self.layers), self.rows_alone)
         h = w.token_embd.rows(inp.tokens).set_name("embd")
         for i, layer in enumerate(self.layers):
             self.cache.set_layer(i)
@@ -98,7 +100,8 @@ class Qwen2(Model):
                 return None
             x, h = inp.rows(i, x, h)
             h = layer.attn_output.matmul(x).set_name(f"attn_out-{i}").add(h).set_name(f"ffn_inp-{i}")
-            x = self.feed_forward(layer, h.rms_norm(layer.ffn_norm, o.eps).set_name(f"ffn_norm-{i}"), i)
+            x = self.feed_forward(layer, h.rms_norm(layer.ffn_norm, o.eps).set_name(f"ffn_norm-{i}"), i,
+                                  inp.sequence_rows(i))
             h = x.set_name(f"ffn_out-{i}").add(h).set_name(f"l_out-{i}")
         return head(h, w.output_norm, w.output, o.eps)
 
@@ -113,10 +116,10 @@ class Qwen2Moe(Qwen2):
         self.experts: list[Experts] = [bind_experts(backend, i, self.routing, self.options.hidden)
                                        for i in range(self.options.block_count)]
 
-    def feed_forward(self, layer: Attention, x: Tensor, i: int) -> Tensor:
+    def feed_forward(self, layer: Attention, x: Tensor, i: int, rows: tuple[int, ...] = ()) -> Tensor:
         assert isinstance(layer, Qwen2MoeLayer)
-        mixed = moe(x, self.experts[i], self.routing, i)
-        gate = layer.ffn_gate_inp_shexp.matmul(x).sigmoid().set_name(f"ffn_shexp_gate-{i}")  # (1, n)
+        mixed = moe(x, self.experts[i], self.routing, i, rows=rows)
+        gate = matmul_alone(layer.ffn_gate_inp_shexp, x, rows).sigmoid().set_name(f"ffn_shexp_gate-{i}")  # (1, n)
         shared = ffn(x, layer.ffn_gate_shexp, layer.ffn_up_shexp, layer.ffn_down_shexp, i).set_name(f"ffn_shexp-{i}")
         shared = shared.mul(gate).set_name(f"ffn_shexp_out-{i}")
         return mixed.add(shared)

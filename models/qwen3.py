@@ -67,13 +67,14 @@ class Qwen3(Model):
     def shift(self, ctx: Context, layer: int, key: Tensor, delta: Tensor) -> Tensor:
         return self.rope(key, delta, layer)
 
-    def feed_forward(self, layer: Qwen3MoeLayer, x: Tensor, i: int) -> Tensor:
+    def feed_forward(self, layer: Qwen3MoeLayer, x: Tensor, i: int, rows: tuple[int, ...] = ()) -> Tensor:
+        """Layer i's FFN; rows: the rows per sequence, for a mixture's router (layers.Inputs.sequence_rows)."""
         assert isinstance(layer, Qwen3Layer)
         return ffn(x, layer.ffn_gate, layer.ffn_up, layer.ffn_down, i)
 
     def forward(self, ctx: Context, batch: Batch) -> Tensor | None:
         o, w = self.options, self.weights
-        inp = inputs(ctx, batch, len(self.layers))
+        inp = inputs(ctx, batch, len(self.layers), self.rows_alone)
         h = w.token_embd.rows(inp.tokens).set_name("embd")
         for i, layer in enumerate(self.layers):
             self.cache.set_layer(i)
@@ -88,7 +89,8 @@ class Qwen3(Model):
                 return None
             x, h = inp.rows(i, x, h)
             h = layer.attn_output.matmul(x).set_name(f"attn_out-{i}").add(h).set_name(f"ffn_inp-{i}")
-            x = self.feed_forward(layer, h.rms_norm(layer.ffn_norm, o.eps).set_name(f"ffn_norm-{i}"), i)
+            x = self.feed_forward(layer, h.rms_norm(layer.ffn_norm, o.eps).set_name(f"ffn_norm-{i}"), i,
+                                  inp.sequence_rows(i))
             h = x.set_name(f"ffn_out-{i}").add(h).set_name(f"l_out-{i}")
         return head(h, w.output_norm, w.output, o.eps)
 
@@ -103,5 +105,5 @@ class Qwen3Moe(Qwen3):
         self.experts: list[Experts] = [bind_experts(backend, i, self.routing, self.options.hidden)
                                        for i in range(self.options.block_count)]
 
-    def feed_forward(self, layer: Qwen3MoeLayer, x: Tensor, i: int) -> Tensor:
-        return moe(x, self.experts[i], self.routing, i)
+    def feed_forward(self, layer: Qwen3MoeLayer, x: Tensor, i: int, rows: tuple[int, ...] = ()) -> Tensor:
+        return moe(x, self.experts[i], self.routing, i, rows=rows)

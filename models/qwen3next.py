@@ -31,6 +31,7 @@ from ollama_engine.kvcache import Batch, Recurrent
 from ollama_engine.ml import Backend, Context, RopeOptions, Tensor
 from ollama_engine.tokenizer import Tokenizer
 
+from .alone import matmul_alone
 from .base import Model, ModelError, bind, register, require_uint, weight
 from .layers import Dense, Output, attend, ffn, head, inputs, per_sequence
 from .moe import Gating, Routing, bind_experts, moe
@@ -197,22 +198,23 @@ class Qwen3Next(Model):
         out = out.mul(gate.contiguous(d * heads, n).sigmoid())
         return layer.attn_output.matmul(out).set_name(f"attn_output-{i}")
 
-    def feed_forward(self, x: Tensor, i: int) -> Tensor:
+    def feed_forward(self, x: Tensor, i: int, rows: tuple[int, ...]) -> Tensor:
+        """Layer i's FFN; rows: per sequence, for the router and the shared expert's gate (models/alone.py)."""
         if i in self.dense:
             dense = self.dense[i]
             return ffn(x, dense.ffn_gate, dense.ffn_up, dense.ffn_down, i)
         assert self.routing is not None
-        out = moe(x, self.experts[i], self.routing, i)
+        out = moe(x, self.experts[i], self.routing, i, rows=rows)
         shared = self.shared[i]
         if shared.up is None or shared.gate is None or shared.down is None:
             return out
         expert = ffn(x, shared.gate, shared.up, shared.down, i).set_name(f"ffn_shexp-{i}")
         if shared.gate_inp is not None:
-            expert = expert.mul(shared.gate_inp.matmul(x).sigmoid())
+            expert = expert.mul(matmul_alone(shared.gate_inp, x, rows).sigmoid())
         return out.add(expert)
 
     def forward(self, ctx: Context, batch: Batch) -> Tensor | None:
-        inp = inputs(ctx, batch, self.blocks)
+        inp = inputs(ctx, batch, self.blocks, self.rows_alone)
         h = self.weights.token_embd.rows(inp.tokens)
         positions = self.rope_positions(ctx, batch, inp.positions)
         for i, layer in enumerate(self.layers):
@@ -226,7 +228,8 @@ class Qwen3Next(Model):
                 return None
             x, h = inp.rows(i, x, h)
             h = x.add(h).set_name(f"attn_residual-{i}")
-            x = self.feed_forward(h.rms_norm(layer.post_norm, self.eps).set_name(f"attn_post_norm-{i}"), i)
+            x = h.rms_norm(layer.post_norm, self.eps).set_name(f"attn_post_norm-{i}")
+            x = self.feed_forward(x, i, inp.sequence_rows(i))
             h = x.add(h).set_name(f"l_out-{i}")
         return head(h, self.weights.output_norm, self.weights.output, self.eps)
 
