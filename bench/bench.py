@@ -101,6 +101,12 @@ MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
         {"n_layer": 16, "n_embd": 1024, "n_head": 16, "n_head_kv": 8, "n_ff": 4608, "context_length": 32768,
          "attention_layers": (2, 5, 8, 10, 12, 14), "name": "lfm2-350m"},
     ),
+    # a dense model of lfm2-350m's size and vocabulary (Llama's layers): the hybrid's reference (prefix_hit.py)
+    "llama-350m": (
+        "llama-3.2-1b", "Q8_0",
+        {"n_layer": 16, "n_embd": 1024, "n_head": 16, "n_head_kv": 8, "n_ff": 4608, "head_dim": 64,
+         "context_length": 32768, "tied_embeddings": True, "vocab": "gpt-2", "name": "llama-350m"},
+    ),
 }
 GPU_MODEL = "llama-3.1-8b"
 
