@@ -219,7 +219,8 @@ def _strings(data: Mapping[str, Any], key: str) -> list[str]:
 class LoadRequest:
     """llm.LoadRequest. ProjectorPath: a separate vision projector (mmproj GGUF); MainGPU is legacy and ignored
     (but compared); UseMmap maps the file for the weights on the CPU (Ollama's Go engine ignored it, its llama.cpp
-    runner did not)."""
+    runner did not). DraftPath (ours): a draft model's GGUF for speculative decoding (same vocabulary; its
+    weights, cache and graph are counted in the memory report)."""
 
     operation: LoadOperation = LoadOperation.FIT
     lora_path: list[str] = field(default_factory=list)
@@ -236,6 +237,7 @@ class LoadRequest:
     projector_path: str = ""
     main_gpu: int = 0
     use_mmap: bool = False
+    draft_path: str = ""
 
     @classmethod
     def from_json(cls, body: bytes) -> LoadRequest:
@@ -267,6 +269,7 @@ class LoadRequest:
             projector_path=_typed(data, "projectorpath", str, ""),
             main_gpu=_typed(data, "maingpu", int, 0),
             use_mmap=_typed(data, "usemmap", bool, False),
+            draft_path=_typed(data, "draftpath", str, ""),
         )
 
     def same_layout(self, other: LoadRequest | None) -> bool:
@@ -291,6 +294,7 @@ class LoadRequest:
             multi_user_cache=self.multi_user_cache,
             use_mmap=self.use_mmap,
             projector_path=self.projector_path,
+            draft_path=self.draft_path,
         )
 
 

@@ -49,6 +49,7 @@ class LoadOptions:
     kv_cache_type_k: str = ""  # the key or the value cache alone, where it differs from kv_cache_type
     kv_cache_type_v: str = ""
     projector_path: str = ""  # a separate vision projector (llama.cpp's mmproj GGUF), sent as ProjectorPath
+    draft_path: str = ""  # a draft model for speculative decoding, sent as DraftPath (only when set)
     multi_user_cache: bool = False
     use_mmap: bool = False  # map the file for the CPU's weights (see mmap_weights)
     gpu_overhead: int = 0  # OLLAMA_GPU_OVERHEAD
@@ -58,7 +59,8 @@ class LoadOptions:
         """The LoadRequest JSON; the KV cache holds num_ctx tokens for every parallel sequence. Our separate
         key and value types travel only when set, so the request is Ollama's own otherwise."""
         separate = {key: value for key, value in (("KvCacheTypeK", self.kv_cache_type_k),
-                                                  ("KvCacheTypeV", self.kv_cache_type_v)) if value}
+                                                  ("KvCacheTypeV", self.kv_cache_type_v),
+                                                  ("DraftPath", self.draft_path)) if value}
         return {
             "Operation": int(operation), "LoraPath": None, "Parallel": self.parallel,
             "BatchSize": min(self.batch_size, self.num_ctx), "FlashAttention": self.flash_attention,

@@ -5,10 +5,14 @@ sequences of `kv_size / parallel` tokens, and the compute buffers of the two lar
 loop builds (a full prompt batch, and a decode batch with one token for every sequence). Once that
 has succeeded, no allocation grows at inference time. With `allocate=False` (the `fit` operation)
 the same sizes are measured and nothing is allocated.
+
+A draft model for speculative decoding (`draft_path`) is opened beside the model the same way, on the CPU,
+with a KV cache of the same slots and context, and counted in the model's memory report.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +25,7 @@ from ollama_engine.ml import BackendMemory, Context, GPULayers, gpu_devices
 from ollama_engine.ml.memory import FlashAttention
 from ollama_engine.models import Model, load_model
 from ollama_engine.models.vision import load_vision
+from ollama_engine.runner.draft import DraftModel, check_vocabulary
 from ollama_engine.runner.images import ImageEncoder
 from ollama_engine.runner.prompt_cache import InputCache
 from ollama_engine.runner.speculate import verify_rows
@@ -45,38 +50,53 @@ class LoadParams:
     multi_user_cache: bool = False
     use_mmap: bool = False  # the CPU's weights mapped from the file, not read into memory of their own
     projector_path: str = ""  # a separate vision projector (mmproj GGUF); else a tower in the model's file, if any
+    draft_path: str = ""  # a draft model for speculative decoding (same vocabulary), loaded on the CPU
 
 
 class LoadedModel:
     """A model with its caches sized for serving; `memory` is what its backend reports."""
 
     def __init__(self, model: Model, input_cache: InputCache, parallel: int, batch_size: int,
-                 images: ImageEncoder | None = None):
+                 images: ImageEncoder | None = None, draft: DraftModel | None = None):
         self.model = model
         self.input_cache = input_cache
         self.parallel = parallel
         self.batch_size = batch_size
         self.images = images  # the vision tower beside the model, if its file has one
+        self.draft = draft  # the draft model for speculative decoding, if the load asked for one
 
     @property
     def memory(self) -> BackendMemory:
         """The model's report, with its vision tower as Ollama's Go engine counted one: the tower's weights with
         the output layer, and per device the larger of the text and the image graph."""
         memory = self.model.backend.memory
-        if self.images is None:
+        if self.images is None and self.draft is None:
             return memory
-        return with_tower(memory, self.images.tower.backend.memory)
+        combined = dataclasses.replace(memory, cpu=dataclasses.replace(
+            memory.cpu, weights=list(memory.cpu.weights), cache=list(memory.cpu.cache)))
+        if self.images is not None:
+            combined = with_tower(combined, self.images.tower.backend.memory)
+        if self.draft is not None:  # on the CPU, with the output layer; its graphs are buffers of their own
+            draft = self.draft.model.backend.memory
+            combined.cpu.weights[-1] += draft.input_weights + sum(draft.cpu.weights)
+            combined.cpu.cache[-1] += sum(draft.cpu.cache)
+            combined.cpu.graph += draft.cpu.graph
+        return combined
 
     def load(self, progress: Callable[[float], None] | None = None) -> None:
-        """Read the weights: the model's, then its vision tower's."""
+        """Read the weights: the model's, then its vision tower's and its draft model's."""
         self.model.backend.load(progress)
         if self.images is not None:
             self.images.tower.backend.load()
+        if self.draft is not None:
+            self.draft.model.backend.load()
 
     def close(self) -> None:
         self.model.close()
         if self.images is not None:
             self.images.tower.close()
+        if self.draft is not None:
+            self.draft.close()
 
 
 def _flash_attention(params: LoadParams) -> bool:
@@ -135,7 +155,39 @@ def open_model(path: str, params: LoadParams, allocate: bool) -> LoadedModel:
     except BaseException:
         model.close()
         raise
-    return LoadedModel(model, input_cache, parallel, batch_size, ImageEncoder(tower) if tower is not None else None)
+    try:
+        draft = open_draft(model, params, parallel, input_cache.num_ctx, batch_size, allocate) \
+            if params.draft_path else None
+    except BaseException:
+        model.close()
+        if tower is not None:
+            tower.close()
+        raise
+    return LoadedModel(model, input_cache, parallel, batch_size, ImageEncoder(tower) if tower is not None else None,
+                       draft)
+
+
+def open_draft(target: Model, params: LoadParams, parallel: int, num_ctx: int, batch_size: int,
+               allocate: bool) -> DraftModel | None:
+    """The draft model with its cache and worst-case graphs, on the CPU; None where speculation cannot be exact
+    for the target (runner/speculate.verify_rows: nothing would use it). Raises VocabularyMismatch."""
+    if verify_rows(target) < 2:
+        log.warning("draft model not loaded: speculative decoding is not exact for this model's layout")
+        return None
+    model = load_model(params.draft_path, allocate=allocate, num_threads=params.num_threads or None,
+                       flash_attention=_flash_attention(params), use_mmap=params.use_mmap)
+    try:
+        check_vocabulary(target, model)
+        if model.cache is None:
+            raise ValueError(f"{params.draft_path}: a draft model needs a KV cache (a causal language model)")
+        model.cache.init(model.backend, cache_dtype(params.kv_cache_type_k or params.kv_cache_type), parallel,
+                         num_ctx, batch_size, value_dtype=cache_dtype(params.kv_cache_type_v or params.kv_cache_type))
+        reserve_graph(model, tokens=batch_size, outputs=1).close()  # catching up with a prompt
+        reserve_graph(model, tokens=1, outputs=1).close()  # a draft step
+    except BaseException:
+        model.close()
+        raise
+    return DraftModel(model, batch_size, parallel)
 
 
 def reserve_graph(model: Model, tokens: int, outputs: int, sequences: int = 1) -> Context:

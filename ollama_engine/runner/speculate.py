@@ -1,8 +1,10 @@
-"""Speculative decoding by prompt lookup (n-grams): draft tokens from the sequence's own text, verify them in one batch.
+"""Speculative decoding: draft tokens cheaply, verify them in one batch of the model.
 
-Editing, extraction, RAG and code answers repeat long runs of their prompt. After each sampled token the
-sequence looks up the last few tokens (an n-gram, longest first) where they occurred before in its prompt
-or output, and proposes the tokens that followed there. The next batch then holds the sampled token and
+Where drafts come from is a `Drafter`: two exist. `NgramIndex` (prompt lookup): editing, extraction, RAG and
+code answers repeat long runs of their prompt; after each sampled token the sequence looks up the last few
+tokens (an n-gram, longest first) where they occurred before in its prompt or output, and proposes the
+tokens that followed there. `runner/draft.ModelDrafter`: a small draft model with the same vocabulary
+decodes a few tokens greedily. Everything else is one mechanism. The next batch holds the sampled token and
 the drafts; the sampler walks the rows in order and keeps a draft only if it samples exactly that token
 from the row before, so every kept token was chosen from the same logits as in plain decoding. The KV
 cells of the rejected drafts are removed, so the sequence continues as if they had never been computed.
@@ -16,27 +18,30 @@ Why the logits are the plain run's, bit for bit (see runner/exact.py for the ker
   matmul weights take another kernel for a single row: no speculation for them; and none on GPU layouts,
   whose kernels this analysis does not cover. `verify_rows` gives the cap, the batch loop keeps to it.
 
-Sampling: with an n-gram draft the draft distribution is a point mass q(d) = 1. The standard rule (accept d
-with probability min(1, p(d)/q(d)) = p(d), else draw from the residual max(p - q, 0), which is p without d,
-renormalised) is then the same as: draw t from p as usual and keep the draft iff t == d, where t is the
-token generated either way. So a sampled request draws one number per generated token, in order, exactly as
-without speculation: same seed, same tokens, and the output distribution is the target's.
+Sampling: with an n-gram draft, or a greedy draft model's, the draft distribution is a point mass q(d) = 1.
+The standard rule (accept d with probability min(1, p(d)/q(d)) = p(d), else draw from the residual
+max(p - q, 0), which is p without d, renormalised) is then the same as: draw t from p as usual and keep the
+draft iff t == d, where t is the token generated either way. So a sampled request draws one number per
+generated token, in order, exactly as without speculation: same seed, same tokens, and the output
+distribution is the target's.
 
 A grammar only trims drafts (llguidance's validate_tokens): each row is sampled under the grammar anyway.
 
 Adaptive: on the CPU a verified row can cost nearly what a decode step costs (quantized matmul is computed
 row by row; a busy machine is compute-bound), so a wrong draft may be paid in full. The runner measures what
 batches of 1, 2, ... rows of decode steps cost (`StepCost`); each sequence estimates the chance that a draft
-token is kept, and drafts the k tokens that maximise expected tokens per second, (1 + a + ... + a^k) / t(1+k),
-only if that beats a decode step's 1 / t(1) by a margin. A sequence whose drafts do not pay stops looking
-(for 16, then 32 ... 256 tokens): a request that does not repeat itself runs as plain decoding, with the
-pipeline's overlap.
+token is kept, and drafts the k tokens that maximise expected tokens per second,
+(1 + a + ... + a^k) / (t(1+k) + k d), where d is what drafting a token costs (0 for a lookup, a draft model's
+measured step), only if that beats a decode step's 1 / t(1) by a margin. A sequence whose drafts do not pay
+stops looking (for 16, then 32 ... 256 tokens): a request that does not repeat itself runs as plain decoding,
+with the pipeline's overlap.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ollama_engine.ml import DType
 
@@ -90,8 +95,33 @@ class StepCost:
         return self._seconds[n] * (1 + 0.5 * (rows - n) / n)
 
 
+class Drafter(Protocol):
+    """Where one sequence's drafts come from. It sees every token the sequence generates, in order."""
+
+    @property
+    def seconds_per_token(self) -> float:
+        """What drafting one token costs (the controller weighs it against the verify rows it saves)."""
+        ...
+
+    def bind(self, slot: int) -> None:
+        """The runner slot the sequence got (a draft model keeps the slot's history in its cache)."""
+
+    def append(self, token: int) -> None:
+        """The sequence generated this token."""
+
+    def ready(self, limit: int) -> bool:
+        """Whether draft(limit) would propose something (cheap: decides if the next step waits to speculate)."""
+        ...
+
+    def draft(self, limit: int) -> list[int]:
+        """Up to `limit` tokens expected after the sequence's tokens so far."""
+        ...
+
+
 class NgramIndex:
     """The tokens of one sequence and, per n-gram, where it last ended (the position of the token after it)."""
+
+    seconds_per_token = 0.0  # a dictionary lookup
 
     def __init__(self, tokens: list[int]) -> None:
         self.tokens: list[int] = []
@@ -108,6 +138,12 @@ class NgramIndex:
                 self._ends[tuple(tokens[end - n:end])] = end
         tokens.append(token)
 
+    def bind(self, slot: int) -> None:
+        pass
+
+    def ready(self, limit: int) -> bool:
+        return bool(self.draft(limit))
+
     def draft(self, limit: int) -> list[int]:
         """Up to `limit` tokens that followed the latest earlier occurrence of the longest matching suffix."""
         tokens = self.tokens
@@ -122,9 +158,9 @@ class NgramIndex:
 
 @dataclass
 class Speculator:
-    """One sequence's drafting state: its n-gram index, the drafts in flight and its acceptance record."""
+    """One sequence's drafting state: its drafter, the drafts in flight and its acceptance record."""
 
-    index: NgramIndex
+    drafter: Drafter
     max_draft: int
     drafted: int = 0
     accepted: int = 0
@@ -147,8 +183,10 @@ class Speculator:
     def of(cls, prompt: list[int], max_draft: int) -> Speculator:
         return cls(NgramIndex(prompt), max_draft)
 
-    def propose(self, limit: int, cost: StepCost) -> list[int]:
-        """Drafts to follow the last token (at most `limit`); records whether the next step should wait."""
+    def propose(self, limit: int, cost: StepCost, draft: bool = True) -> list[int]:
+        """Drafts to follow the last token (at most `limit`); records whether the next step should wait.
+
+        draft=False only decides that (the next step's input is already queued: drafts now would be wasted)."""
         self.want = False
         if self.stopped:
             return []
@@ -159,7 +197,10 @@ class Speculator:
         if k == 0:
             self._start_pause()
             return []
-        drafts = self.index.draft(k)
+        if not draft:
+            self.want = self.drafter.ready(k)
+            return []
+        drafts = self.drafter.draft(k)
         self.want = bool(drafts)
         return drafts
 
@@ -169,11 +210,12 @@ class Speculator:
         if limit <= 0 or single is None:
             return min(limit, 1)
         chance = self._kept / (self._kept + self._missed)
+        drafting = self.drafter.seconds_per_token
         best, best_rate, expected = 0, MARGIN / single, 1.0
         for k in range(1, limit + 1):
             expected += chance**k
             seconds = cost.estimate(1 + k)
-            if seconds is not None and expected / seconds > best_rate:
+            if seconds is not None and expected / (seconds + k * drafting) > best_rate:
                 best, best_rate = k, expected / seconds
         return best
 

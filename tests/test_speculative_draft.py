@@ -1,0 +1,191 @@
+"""Speculative decoding with a draft model gives exactly the tokens and logprobs of plain decoding, on real weights.
+
+The target is the real SmolLM2-135M-Instruct (Q4_1). No smaller real model shares its vocabulary, so the draft is
+made from it (tests/synthetic/draft.py): all 30 layers requantized to Q4_0 with ggml's quantizers. It agrees
+with the target on most tokens but not all, so drafts are kept and rejected (and both caches rolled back).
+Each case compares a runner loaded with the draft against one without it: every token and logprob (and the top
+alternatives) equal, not close, and drafts accepted, so that a speculation that never happens cannot pass.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+from synthetic.draft import write_draft
+from test_speculative import COPY, JSON_PROMPT, OTHERS, CheapRows, Run
+
+from ollama_engine.runner.allocate import LoadParams, open_model
+from ollama_engine.runner.draft import DraftModel, VocabularyMismatch
+from ollama_engine.runner.loop import Runner
+from ollama_engine.sample import Sampler
+from ollama_engine.sample.grammar_text import GRAMMAR_JSON
+
+CHAT = "<|im_start|>user\nTell me a short story about a cat who learns to swim.<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="session")
+def draft_path(smollm2_path: Path, tmp_path_factory) -> Path:
+    return write_draft(smollm2_path, tmp_path_factory.mktemp("draft") / "smollm2-q4_0.gguf", layers=30,
+                       quantize="Q4_0")
+
+
+def params(draft: Path | None, parallel: int = 2, kv_size: int = 2048) -> LoadParams:
+    return LoadParams(parallel=parallel, batch_size=64, kv_size=kv_size, num_threads=2, flash_attention=1,
+                      draft_path=str(draft or ""))
+
+
+class FixedDraftCost:
+    """The draft model's step cost fixed at a tenth of a decode step (CheapRows' 1.0 s), whatever the machine's
+    load: exactness is what these tests check, so they must speculate wherever the draft is sure."""
+
+    @staticmethod
+    def apply(draft: DraftModel) -> None:
+        draft.step_seconds = 0.1
+        draft.record_step = lambda seconds: None
+
+
+def open_runner(path: Path, draft: Path | None, parallel: int = 2, kv_size: int = 2048) -> tuple[Runner, Any]:
+    loaded = open_model(str(path), params(draft, parallel, kv_size), allocate=True)
+    loaded.load()
+    if draft is not None:
+        assert loaded.draft is not None
+        FixedDraftCost.apply(loaded.draft)
+    runner = Runner(loaded, lambda err: pytest.fail(f"runner failed: {err}"))
+    runner.step_cost = CheapRows()
+    runner.start()
+    return runner, loaded
+
+
+@pytest.fixture(scope="module")
+def plain(smollm2_path):
+    runner, loaded = open_runner(smollm2_path, None)
+    yield runner
+    runner.close()
+    loaded.close()
+
+
+@pytest.fixture(scope="module")
+def drafted(smollm2_path, draft_path):
+    runner, loaded = open_runner(smollm2_path, draft_path)
+    yield runner
+    runner.close()
+    loaded.close()
+
+
+def assert_drafted(*runs: Run) -> None:
+    specs = [run.seq.spec for run in runs]
+    assert all(s is not None and s.drafter.__class__.__name__ == "ModelDrafter" for s in specs)
+    assert sum(s.accepted for s in specs) > 0, "no draft was accepted: speculation did not happen"
+
+
+# ---------------------------------------------------------------- loading
+
+
+def test_a_draft_with_another_vocabulary_is_refused(smollm2_path, gemma3_path):
+    with pytest.raises(VocabularyMismatch, match="draft model"):
+        open_model(str(smollm2_path), params(gemma3_path), allocate=False)
+
+
+def test_fit_counts_the_draft_and_equals_alloc(smollm2_path, draft_path):
+    """The draft's weights, cache and graph are in the report (with the output layer, on the CPU); fit == alloc."""
+    def report(draft: Path | None, allocate: bool):
+        loaded = open_model(str(smollm2_path), params(draft), allocate=allocate)
+        try:
+            return loaded.memory
+        finally:
+            loaded.close()
+
+    without, fit, alloc = report(None, False), report(draft_path, False), report(draft_path, True)
+    assert fit == alloc
+    weights = fit.cpu.weights[-1] - without.cpu.weights[-1]
+    assert weights >= 0.9 * draft_path.stat().st_size  # the draft's whole file, but for metadata
+    assert fit.cpu.cache[-1] > without.cpu.cache[-1]  # its KV cache: same slots and context as the model's
+    assert fit.cpu.graph > without.cpu.graph
+    assert fit.cpu.weights[:-1] == without.cpu.weights[:-1] and fit.cpu.cache[:-1] == without.cpu.cache[:-1]
+
+
+# ---------------------------------------------------------------- exactness
+
+
+@pytest.mark.parametrize("prompt", [COPY, CHAT], ids=["copy", "chat"])
+def test_greedy_alone(plain, drafted, prompt):
+    a = Run(plain, prompt, False, num_predict=60)
+    b = Run(drafted, prompt, False, num_predict=60)
+    assert b.logprobs == a.logprobs
+    assert b.seq.done_reason == a.seq.done_reason
+    assert_drafted(b)
+
+
+def test_rejected_drafts_roll_back_both_caches(plain, drafted):
+    """Some drafts are rejected (the Q4_0 draft differs from the Q4_1 target), and decoding stays exact after:
+    the target's cells and the draft model's own past the first rejection were removed."""
+    runs = [(Run(plain, p, False, num_predict=60), Run(drafted, p, False, num_predict=60)) for p in (CHAT, OTHERS[1])]
+    for a, b in runs:
+        assert b.logprobs == a.logprobs
+    assert sum(b.seq.spec.drafted - b.seq.spec.accepted for _, b in runs) > 0, "no draft was rejected"
+    draft = drafted.loaded.draft
+    held = draft._held[runs[-1][1].seq.slot.id]
+    history = runs[-1][1].seq.spec.drafter.tokens
+    assert held[:len(held) - 8] == history[:len(held) - 8]  # what the draft cache holds is the sequence's text
+
+
+def test_greedy_batched_two_speculating(plain, drafted):
+    """Two sequences at once, each drafting and verifying in the same batches, against each alone without drafts."""
+    prompts = [COPY, CHAT]
+    alone = [Run(plain, p, False, num_predict=40) for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(lambda p: Run(drafted, p, False, num_predict=40), prompts))
+    for a, b in zip(alone, together, strict=True):
+        assert b.logprobs == a.logprobs
+    assert_drafted(*together)
+    assert all(b.seq.spec.drafted for b in together), "each sequence speculates"
+
+
+def test_greedy_with_a_json_grammar(plain, drafted):
+    a = Run(plain, JSON_PROMPT, False, GRAMMAR_JSON, num_predict=80)
+    b = Run(drafted, JSON_PROMPT, False, GRAMMAR_JSON, num_predict=80)
+    assert b.logprobs == a.logprobs
+    assert b.text.lstrip().startswith("{")
+    assert_drafted(b)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_sampled_draws_the_same_tokens(plain, drafted, seed):
+    """A greedy draft is a point mass: rejection sampling keeps a draft iff the sampler draws it, one draw per
+    generated token, so a seeded request gives plain decoding's tokens (runner/speculate.py)."""
+    def sampled(runner: Runner) -> Run:
+        return Run(runner, CHAT, False, sampler=Sampler(temperature=0.7, top_k=40, top_p=0.95, seed=seed),
+                   num_predict=50)
+    a, b = sampled(plain), sampled(drafted)
+    assert b.logprobs == a.logprobs
+    assert_drafted(b)
+
+
+def test_through_a_context_shift(smollm2_path, draft_path):
+    """A 96-token context: the copy overflows it and the slot shifts. Speculation stops at the shift, as the n-gram
+    path does (runner/speculate.Speculator.stopped); tokens and logprobs stay plain decoding's throughout."""
+    runs = []
+    for draft in (None, draft_path):  # each on a fresh runner: both cold
+        runner, loaded = open_runner(smollm2_path, draft, parallel=1, kv_size=96)
+        try:
+            runs.append(Run(runner, COPY, False, num_predict=150))
+        finally:
+            runner.close()
+            loaded.close()
+    a, b = runs
+    assert a.seq.num_prompt_inputs + len(a.entries) > 96  # the context shifted
+    assert b.logprobs == a.logprobs
+    assert_drafted(b)
+    assert b.seq.spec.stopped
+
+
+def test_the_draft_model_serves_requests_one_after_another(drafted, plain):
+    """A second request on a slot reuses what the draft cache holds of the first only up to their common prefix."""
+    first = Run(drafted, CHAT, False, num_predict=20)
+    second = Run(drafted, CHAT.replace("swim", "fly"), False, num_predict=30)
+    assert second.logprobs == Run(plain, CHAT.replace("swim", "fly"), False, num_predict=30).logprobs
+    assert_drafted(first, second)
+
