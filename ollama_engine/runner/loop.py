@@ -32,13 +32,20 @@ import numpy as np
 from ollama_engine.kvcache import Batch
 from ollama_engine.models import Graph
 from ollama_engine.runner.allocate import LoadedModel
+from ollama_engine.runner.draft import ModelDrafter
 from ollama_engine.runner.images import ImageData, ImageStats, batch_embeddings, prompt_inputs
 from ollama_engine.runner.inputs import Input
 from ollama_engine.runner.prompt_cache import TO_END, ReprocessInputsError
 from ollama_engine.runner.sequence import DoneReason, Piece, Sequence, SequenceOptions, capped_num_predict, fit_prompt
-from ollama_engine.runner.draft import ModelDrafter
-from ollama_engine.runner.speculate import (DEFAULT_DRAFT, MAX_DRAFT, Drafter, NgramIndex, Speculator, StepCost,
-                                            verify_rows)
+from ollama_engine.runner.speculate import (
+    DEFAULT_DRAFT,
+    MAX_DRAFT,
+    Drafter,
+    NgramIndex,
+    Speculator,
+    StepCost,
+    verify_rows,
+)
 from ollama_engine.sample import GrammarError, GrammarVocab, NonFiniteLogitsError, calculate_logprobs
 
 log = logging.getLogger(__name__)
