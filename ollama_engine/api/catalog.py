@@ -168,6 +168,7 @@ class Catalog:
             name=stored.short_name, short_name=stored.short_name, model_path=str(stored.model_path),
             digest=stored.digest, adapter_paths=[str(p) for p in stored.adapter_paths],
             projector_paths=[str(p) for p in stored.projector_paths],
+            draft_path=str(stored.draft_path or ""),
             family=str(stored.config.get("model_family", "")),
         )
         entry = Entry(

@@ -150,11 +150,14 @@ class ModelRoutes:
             self.store.create(
                 name, files=body.get("files"), adapters=body.get("adapters"), from_=body.get("from"),
                 template=body.get("template"), system=body.get("system"), license=body.get("license"),
-                parameters=body.get("parameters"), messages=body.get("messages"), progress=report)
+                parameters=body.get("parameters"), messages=body.get("messages"), progress=report,
+                drafts=body.get("draft_files"))
 
         async def chunks() -> AsyncIterator[dict[str, Any]]:
             if body.get("quantize"):
                 raise ApiError(400, "this engine cannot quantize models yet")
+            if body.get("draft_quantize"):
+                raise ApiError(400, "this engine cannot quantize models yet (draft_quantize)")
             try:
                 async for status in in_thread_with_progress(work):
                     yield status

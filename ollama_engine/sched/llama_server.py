@@ -56,6 +56,7 @@ class LlamaServer:
         self.config = config
         self.memory = BackendMemory()
         self.projector_path = ""  # the model's separate vision projector (an mmproj layer in the store), if any
+        self.draft_path = ""  # the model's draft model for speculative decoding (a draft layer), if any
         self._exit_callbacks: list[Callable[[], None]] = []
         self._loop = asyncio.get_running_loop()
         self._closed = False
@@ -131,6 +132,7 @@ class LlamaServer:
             gpu_overhead=self.config.gpu_overhead,
             sched_spread=self.config.sched_spread,
             projector_path=self.projector_path,
+            draft_path=self.draft_path,
         )
 
     async def load(self, system_info: SystemInfo, gpus: Sequence[DeviceInfo], require_full: bool) -> list[DeviceID]:

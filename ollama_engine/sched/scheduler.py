@@ -371,6 +371,8 @@ class Scheduler:
                     system_info, gpus, path, info, list(req.model.adapter_paths), list(req.model.projector_paths),
                     opts, num_parallel,
                 )
+                if req.model.draft_path:  # the runner loads it beside the model (LoadRequest.DraftPath)
+                    server.draft_path = req.model.draft_path
             except Exception as err:
                 if "failed to load model" in str(err):
                     err = RuntimeError(f"{err}: " + INCOMPATIBLE.format(name=req.model.short_name or req.model.name))
@@ -485,6 +487,8 @@ class Scheduler:
             return f"adapters changed ({model.adapter_paths} -> {req.model.adapter_paths})"
         if list(model.projector_paths) != list(req.model.projector_paths):
             return f"projectors changed ({model.projector_paths} -> {req.model.projector_paths})"
+        if model.draft_path != req.model.draft_path:
+            return f"draft model changed ({model.draft_path} -> {req.model.draft_path})"
         loaded, wanted = runner.options, req.opts
         if wanted.num_ctx is not None:
             train = runner.info.context_length if runner.info is not None else 0

@@ -103,6 +103,7 @@ class Model:
     digest: str = ""
     adapter_paths: list[str] = field(default_factory=list)
     projector_paths: list[str] = field(default_factory=list)
+    draft_path: str = ""  # a draft model for speculative decoding, sent to the runner as DraftPath
     capabilities: list[str] = field(default_factory=list)
     family: str = ""
 

@@ -28,6 +28,7 @@ CONFIG_MEDIA_TYPE = "application/vnd.docker.container.image.v1+json"
 MEDIA_MODEL = "application/vnd.ollama.image.model"
 MEDIA_ADAPTER = "application/vnd.ollama.image.adapter"
 MEDIA_PROJECTOR = "application/vnd.ollama.image.projector"
+MEDIA_DRAFT = "application/vnd.ollama.image.draft"  # a draft model for speculative decoding (Ollama's name)
 MEDIA_TEMPLATE = "application/vnd.ollama.image.template"
 MEDIA_PROMPT = "application/vnd.ollama.image.prompt"  # the legacy name of the template layer
 MEDIA_SYSTEM = "application/vnd.ollama.image.system"

@@ -60,20 +60,19 @@ class Modelfile:
         messages: list[dict[str, str]] = []
         licenses: list[str] = []
         for c in self.commands:
-            if c.name in ("model", "adapter"):
+            if c.name in ("model", "adapter", "draft"):
                 path = expand_path(c.args, relative_dir)
                 if not path.exists():
-                    if c.name == "adapter":
-                        raise ModelfileError(f"adapter {c.args}: no such file")
+                    if c.name != "model":
+                        raise ModelfileError(f"{c.name} {c.args}: no such file")
                     request["from"] = c.args
                     continue
                 if path.is_dir():
                     raise ModelfileError(f"{c.args}: is a directory (only GGUF files are supported)")
                 digest = file_digest(path)
                 uploads[digest] = path
-                request.setdefault("files" if c.name == "model" else "adapters", {})[path.name] = digest
-            elif c.name == "draft":
-                raise ModelfileError("DRAFT is not supported")
+                field = {"model": "files", "adapter": "adapters", "draft": "draft_files"}[c.name]
+                request.setdefault(field, {})[path.name] = digest
             elif c.name in ("template", "system", "renderer", "parser"):
                 request[c.name] = c.args
             elif c.name == "requires":

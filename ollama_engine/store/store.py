@@ -26,6 +26,7 @@ from ollama_engine.store import disk
 from ollama_engine.store.disk import (
     CONFIG_MEDIA_TYPE,
     MEDIA_ADAPTER,
+    MEDIA_DRAFT,
     MEDIA_LICENSE,
     MEDIA_MESSAGES,
     MEDIA_MODEL,
@@ -94,6 +95,7 @@ class ResolvedModel:
     license: list[str]
     adapter_paths: list[Path] = field(default_factory=list)
     projector_paths: list[Path] = field(default_factory=list)
+    draft_path: Path | None = None  # the draft model for speculative decoding (a draft layer), if any
     config: dict[str, Any] = field(default_factory=dict)
     parent_model: str = ""
     modified_at: float = 0.0
@@ -246,6 +248,8 @@ class Store:
                 resolved.adapter_paths.append(path)
             elif kind == MEDIA_PROJECTOR:
                 resolved.projector_paths.append(path)
+            elif kind == MEDIA_DRAFT:
+                resolved.draft_path = path
             elif kind in (MEDIA_TEMPLATE, MEDIA_PROMPT):
                 resolved.template = path.read_text()
             elif kind == MEDIA_SYSTEM:
@@ -289,6 +293,8 @@ class Store:
         commands = [Command("model", str(m.model_path))]
         commands += [Command("adapter", str(p)) for p in m.adapter_paths]
         commands += [Command("model", str(p)) for p in m.projector_paths]
+        if m.draft_path is not None:
+            commands.append(Command("draft", str(m.draft_path)))
         commands.append(Command("template", m.template if m.template is not None else DEFAULT_TEMPLATE))
         if m.system:
             commands.append(Command("system", m.system))
@@ -412,12 +418,16 @@ class Store:
     def create(self, model: str, *, files: Mapping[str, str] | None = None, adapters: Mapping[str, str] | None = None,
                from_: str | None = None, template: str | None = None, system: str | None = None,
                license: str | Sequence[str] | None = None, parameters: Mapping[str, Any] | None = None,
-               messages: Sequence[Mapping[str, Any]] | None = None, progress: Progress | None = None) -> Name:
+               messages: Sequence[Mapping[str, Any]] | None = None, progress: Progress | None = None,
+               drafts: Mapping[str, str] | None = None) -> Name:
         """/api/create from uploaded GGUF blobs (`files`: {relative file name: digest}) or an existing model
-        (`from_`), with TEMPLATE / SYSTEM / LICENSE / PARAMETER / MESSAGE overrides. Progress gets the
-        status lines Ollama streams except the final `success` (the API sends that)."""
+        (`from_`), with TEMPLATE / SYSTEM / LICENSE / PARAMETER / MESSAGE overrides and a draft model
+        (`drafts`, Ollama's draft_files: one GGUF, stored as a draft layer). Progress gets the status lines
+        Ollama streams except the final `success` (the API sends that)."""
         report = progress or (lambda _: None)
-        for path, digest in {**(files or {}), **(adapters or {})}.items():
+        if drafts and len(drafts) > 1:
+            raise BadRequest("draft_files: a model has one draft model (one GGUF file)")
+        for path, digest in {**(files or {}), **(adapters or {}), **(drafts or {})}.items():
             if not _valid_relative_path(path):
                 raise BadRequest("file path must be relative")
             if not digest:
@@ -428,15 +438,16 @@ class Store:
         name = self.existing_name(name)
         self.manifest_path(name)  # a name that cannot be a path is refused before any work
         with self._name_lock(name), self._pinning():
-            for digest in {**(files or {}), **(adapters or {})}.values():
+            for digest in {**(files or {}), **(adapters or {}), **(drafts or {})}.values():
                 self._pin(digest)
-            self._create(name, files, adapters, from_, template, system, license, parameters, messages, report)
+            self._create(name, files, adapters, from_, template, system, license, parameters, messages, report,
+                         drafts)
         return name
 
     def _create(self, name: Name, files: Mapping[str, str] | None, adapters: Mapping[str, str] | None,
                 from_: str | None, template: str | None, system: str | None, license: str | Sequence[str] | None,
                 parameters: Mapping[str, Any] | None, messages: Sequence[Mapping[str, Any]] | None,
-                report: Progress) -> None:
+                report: Progress, drafts: Mapping[str, str] | None = None) -> None:
         """create's work, under the name's lock with its blobs pinned."""
         old = self._maybe_manifest(name)
 
@@ -449,6 +460,9 @@ class Store:
             raise BadRequest("neither 'from' or 'files' was specified")
         for _, digest in sorted((adapters or {}).items()):
             layers.append(self._gguf_layer(digest, {"families": []}, report, adapter=True))
+        for _, digest in sorted((drafts or {}).items()):  # replaces the draft a `from` model had
+            layers = [x for x in layers if x.media_type != MEDIA_DRAFT]
+            layers.append(self._gguf_layer(digest, {"families": []}, report, draft=True))
 
         if template:
             try:
@@ -485,7 +499,7 @@ class Store:
         return self.create(model, files=request.get("files"), adapters=request.get("adapters"),
                            from_=request.get("from"), template=request.get("template"), system=request.get("system"),
                            license=request.get("license"), parameters=request.get("parameters"),
-                           messages=request.get("messages"), progress=progress)
+                           messages=request.get("messages"), progress=progress, drafts=request.get("draft_files"))
 
     # ---- create helpers --------------------------------------------------------------------------
 
@@ -506,7 +520,8 @@ class Store:
         kept = [x for x in layers if x.media_type != media_type]
         return kept + [self._new_layer(data, media_type)]
 
-    def _gguf_layer(self, digest: str, config: dict[str, Any], report: Progress, adapter: bool = False) -> Layer:
+    def _gguf_layer(self, digest: str, config: dict[str, Any], report: Progress, adapter: bool = False,
+                    draft: bool = False) -> Layer:
         report({"status": "parsing GGUF"})
         path = self.blob_path(digest)
         if not path.is_file():
@@ -521,7 +536,11 @@ class Store:
         kind = gguf.metadata.get("general.type", "")
         media_type = MEDIA_MODEL
         arch = str(gguf.metadata.get("general.architecture", ""))
-        if adapter or kind == "adapter":
+        if draft:
+            if kind in ("adapter", "projector") or not gguf.metadata.get(f"{arch}.block_count"):
+                raise BadRequest("draft_files: the draft must be a language model GGUF")
+            media_type = MEDIA_DRAFT
+        elif adapter or kind == "adapter":
             media_type = MEDIA_ADAPTER
         elif kind == "projector" or (not gguf.metadata.get(f"{arch}.block_count")
                                      and gguf.metadata.get(f"{arch}.vision.block_count")):
