@@ -61,30 +61,30 @@ def _weights(in_size: int, out_size: int, kind: Filter) -> tuple[np.ndarray, np.
     return xmin, np.trunc(fixed).astype(np.int32)
 
 
-def _pass(pixels: np.ndarray, out_size: int, kind: Filter) -> np.ndarray:
-    """Resample axis 1 of (rows, columns, 3) uint8 to out_size columns. The sums are exact int32 ones, so
-    their order is free: each tap is a gather of whole input columns (contiguous rows of the transposed
-    image), twice as fast as gathering along the middle axis."""
-    rows, in_size, channels = pixels.shape
+def _rows(source: np.ndarray, out_size: int, kind: Filter) -> np.ndarray:
+    """Resample axis 0 of (in_size, n) uint8 to (out_size, n). The sums are exact int32 ones, so their order is
+    free: each tap gathers whole rows (contiguous), much faster than gathering along a middle axis."""
+    in_size = source.shape[0]
     first, weights = _weights(in_size, out_size, kind)
-    source = pixels.transpose(1, 0, 2).reshape(in_size, rows * channels).astype(np.int32)
-    acc = np.full((out_size, rows * channels), 1 << (PRECISION_BITS - 1), dtype=np.int32)
+    acc = np.full((out_size, source.shape[1]), 1 << (PRECISION_BITS - 1), dtype=np.int32)
     term = np.empty_like(acc)
     for x in range(weights.shape[1]):
-        column = np.minimum(first + x, in_size - 1)  # past the edge the weight is 0
-        np.multiply(source[column], weights[:, x, None], out=term)
+        row = np.minimum(first + x, in_size - 1)  # past the edge the weight is 0
+        np.multiply(source[row], weights[:, x, None], out=term)
         acc += term
-    out = np.clip(acc >> PRECISION_BITS, 0, 255).astype(np.uint8)
-    return out.reshape(out_size, rows, channels).transpose(1, 0, 2)
+    return np.clip(acc >> PRECISION_BITS, 0, 255).astype(np.uint8)
 
 
 def resize(pixels: np.ndarray, width: int, height: int, kind: Filter = Filter.BILINEAR) -> np.ndarray:
-    """(height, width, 3) uint8 pixels resampled to the given size, as llama.cpp's resize_pillow."""
+    """(height, width, 3) uint8 pixels resampled to the given size, as llama.cpp's resize_pillow: the horizontal
+    pass first (on the transposed image, columns as rows), then the vertical one."""
     if not (0 < width <= MAX_SIDE and 0 < height <= MAX_SIDE):
         raise ValueError(f"resize target {width}x{height} is out of range (max {MAX_SIDE})")
+    rows, columns, channels = pixels.shape
     out = pixels
-    if width != pixels.shape[1]:
-        out = _pass(out, width, kind)
-    if height != pixels.shape[0]:
-        out = _pass(out.transpose(1, 0, 2), height, kind).transpose(1, 0, 2)
+    if width != columns:
+        out = _rows(pixels.transpose(1, 0, 2).reshape(columns, rows * channels), width, kind)
+        out = out.reshape(width, rows, channels).transpose(1, 0, 2)
+    if height != rows:
+        out = _rows(np.ascontiguousarray(out).reshape(rows, -1), height, kind).reshape(height, -1, channels)
     return np.ascontiguousarray(out)
