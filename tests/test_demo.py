@@ -142,3 +142,29 @@ def test_dev_progress_from_make_and_ninja_lines(tmp_path):
     with log.open("ab") as f:  # pip -v indents the build's output; a line not yet ended is not read
         f.write(b"  [3/4] /usr/bin/g++ -c b.cpp\n[4/")
     assert step.progress() == "75%"
+
+
+def test_demo_asks_a_vision_model_about_a_picture(tmp_path):
+    """A model with a vision tower (Ollama's single file) is also asked about the demo's picture; the image's rows
+    are in the prompt's count, and the memory table shows the tower's weights as their own row."""
+    from synthetic.vision import VisionSpec, add_vision
+
+    text = write_synthetic(tmp_path / "text.gguf", "gemma3", weight_type="F32")
+    model = add_vision(text, tmp_path / "vision.gguf", VisionSpec())
+    out = io.StringIO()
+    assert run_demo(str(model), name="seeing", num_predict=4, out=out) == 0
+    output = out.getvalue()
+    assert re.search(r"^GET /api/tags: seeing:latest .*capabilities=\[.*'vision'.*\]$", output, re.M)
+    assert re.search(r"^POST /api/chat \(streamed\), user: What is in this picture\?.* \[a 320x240 PNG", output, re.M)
+    answers = re.findall(r"^assistant: (.+)$", output, re.M)
+    assert len(answers) == 2 and answers[1].strip()
+    tokens = re.search(r"^prompt: (\d+) tokens with the image's", output, re.M)
+    assert tokens and int(tokens.group(1)) > 16  # VisionSpec's image is 16 rows
+    assert re.search(r"^  vision weights\s+CPU\s+\d", output, re.M)
+
+
+def test_demo_of_a_text_model_asks_no_image_question(tmp_path):
+    out = io.StringIO()
+    model = write_synthetic(tmp_path / "tiny-llama.gguf", "tiny-llama")
+    assert run_demo(str(model), name="synthetic", num_predict=2, out=out) == 0
+    assert "picture" not in out.getvalue() and "vision weights" not in out.getvalue()
