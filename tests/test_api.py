@@ -6,7 +6,6 @@ use a synthetic BERT. One serve for the module, small num_predict: 2 slow cores 
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import math
@@ -24,6 +23,7 @@ ollama = pytest.importorskip("ollama")
 
 from aiohttp import web  # noqa: E402
 from synthetic.models import write_synthetic  # noqa: E402
+from threaded_app import ThreadedApp  # noqa: E402
 
 GREEDY = {"num_predict": 8, "temperature": 0}
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
@@ -329,38 +329,12 @@ def _digest(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
-class _registry:
+class _registry(ThreadedApp):
     """A registry that serves fixed paths, in a thread of its own; `host:port` while open."""
 
     def __init__(self, files: dict[str, bytes]) -> None:
         self.files = files
 
-    def __enter__(self) -> str:
-        from serve_process import free_port
-
-        self.port = free_port()
-        self.loop = asyncio.new_event_loop()
-        started = threading.Event()
-
-        async def handler(request: web.Request) -> web.Response:
-            data = self.files.get(request.path)
-            return web.Response(body=data) if data is not None else web.Response(status=404)
-
-        async def start() -> None:
-            app = web.Application()
-            app.router.add_get("/{tail:.*}", handler)
-            self.runner = web.AppRunner(app)
-            await self.runner.setup()
-            await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
-            started.set()
-
-        self.thread = threading.Thread(target=lambda: (self.loop.run_until_complete(start()),
-                                                       self.loop.run_forever()), daemon=True)
-        self.thread.start()
-        started.wait(10)
-        return f"127.0.0.1:{self.port}"
-
-    def __exit__(self, *exc: object) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+    async def handler(self, request: web.Request) -> web.Response:
+        data = self.files.get(request.path)
+        return web.Response(body=data) if data is not None else web.Response(status=404)

@@ -27,6 +27,7 @@ import pytest
 from aiohttp import web
 from serve_process import eventually, free_port, generate, pid_alive, serving
 from synthetic.models import write_synthetic
+from threaded_app import ThreadedApp
 
 from ollama_engine.envconfig import EnvConfig
 from ollama_engine.sched import scheduler as scheduler_module
@@ -217,7 +218,7 @@ def serve_subprocess(models: Path) -> Iterator[tuple[str, subprocess.Popen]]:
         process.wait()
 
 
-class SlowRegistry:
+class SlowRegistry(ThreadedApp):
     """A registry whose blob trickles out the first time (64 KiB every 50 ms), in a thread; `host:port` while open."""
 
     def __init__(self, gguf: bytes) -> None:
@@ -244,30 +245,6 @@ class SlowRegistry:
             self.sent.set()
             await asyncio.sleep(0.05)
         return response
-
-    def __enter__(self) -> str:
-        self.port = free_port()
-        self.loop = asyncio.new_event_loop()
-        started = threading.Event()
-
-        async def start() -> None:
-            app = web.Application()
-            app.router.add_get("/{tail:.*}", self.handler)
-            self.runner = web.AppRunner(app)
-            await self.runner.setup()
-            await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
-            started.set()
-
-        self.thread = threading.Thread(target=lambda: (self.loop.run_until_complete(start()),
-                                                       self.loop.run_forever()), daemon=True)
-        self.thread.start()
-        started.wait(10)
-        return f"127.0.0.1:{self.port}"
-
-    def __exit__(self, *exc: object) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 def test_serve_killed_during_a_pull_and_an_upload(tiny: Path, tmp_path: Path):
