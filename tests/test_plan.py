@@ -6,33 +6,23 @@ the GPU only if the planner really does its arithmetic on the measured sizes.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import pytest
+from plan_cli import MINIMUM, N_LAYER, run, tiny_llama
 from synthetic.models import write_synthetic
 
 from ollama_engine.llm.load import LoadOptions
-from ollama_engine.llm.plan import add_plan_command, make_plan, parse_gpus, parse_size, plan_json, plan_text
+from ollama_engine.llm.plan import make_plan, parse_gpus, parse_size, plan_json, plan_text
 from ollama_engine.ml.memory import GIB, MIB, BackendMemory, DeviceID, GPULayersList, SystemInfo
 
-N_LAYER = 6
 TOTAL_LAYERS = N_LAYER + 1
-MINIMUM = 457 * MIB  # what the planner reserves on every CUDA GPU
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
-    return write_synthetic(tmp_path_factory.mktemp("plan") / "llama.gguf", "tiny-llama", n_layer=N_LAYER)
-
-
-def run(model: Path, capsys, *argv: str) -> tuple[int, str]:
-    parser = argparse.ArgumentParser()
-    add_plan_command(parser.add_subparsers())
-    args = parser.parse_args(["plan", str(model), "--ctx", "256", "--batch", "32", *argv])
-    rc = args.run(args)
-    return rc, capsys.readouterr().out
+    return tiny_llama(tmp_path_factory.mktemp("plan"))
 
 
 def run_json(model: Path, capsys, *argv: str) -> dict:

@@ -6,34 +6,23 @@ CPU): every panel then has bars and empty slots, and a bar drawn on the wrong de
 
 from __future__ import annotations
 
-import argparse
 import json
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-from synthetic.models import write_synthetic
+from plan_cli import MINIMUM, N_LAYER, run, tiny_llama
 
 from ollama_engine.llm.load import LoadOptions
-from ollama_engine.llm.plan import add_plan_command, make_plan
-from ollama_engine.ml.memory import GIB, MIB, SystemInfo
+from ollama_engine.llm.plan import make_plan
+from ollama_engine.ml.memory import GIB, SystemInfo
 
-N_LAYER = 6
-MINIMUM = 457 * MIB  # what the planner reserves on every CUDA GPU
 SVG = "{http://www.w3.org/2000/svg}"
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
-    return write_synthetic(tmp_path_factory.mktemp("plan-svg") / "llama.gguf", "tiny-llama", n_layer=N_LAYER)
-
-
-def run(model: Path, capsys, *argv: str) -> tuple[int, str]:
-    parser = argparse.ArgumentParser()
-    add_plan_command(parser.add_subparsers())
-    args = parser.parse_args(["plan", str(model), "--ctx", "256", "--batch", "32", *argv])
-    rc = args.run(args)
-    return rc, capsys.readouterr().out
+    return tiny_llama(tmp_path_factory.mktemp("plan-svg"))
 
 
 @pytest.fixture(scope="module")
