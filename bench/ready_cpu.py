@@ -8,18 +8,21 @@ see server/app.py; a first request waits for it) and the weights' move onto 2 Mi
 
     .venv/bin/python bench/ready_cpu.py bench/out/llama-3.2-1b-Q4_0.gguf bench/out/smollm2-135m-Q8_0.gguf
     .venv/bin/python bench/ready_cpu.py --mmap bench/out/llama-3.2-1b-f16-F16.gguf   # mapped, as llama.cpp
+    .venv/bin/python bench/ready_cpu.py --mmap --wall 7 bench/out/llama-3.2-1b-f16-F16.gguf   # wall s vs llama.cpp
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from workers import BATCH, N_CTX, peak_rss_mib, process_cpu_seconds  # noqa: E402
+from workers import BATCH, N_CTX, WorkerArgs, peak_rss_mib, process_cpu_seconds, start_runner  # noqa: E402
 
 from bench import compile_engine  # noqa: E402
 from ollama_engine.fs import GGUFFile  # noqa: E402
@@ -84,13 +87,57 @@ def phases(model: str, threads: int, use_mmap: bool = False,
     return out, rss, memory
 
 
+_LLAMA_CPP_READY = """
+import sys, time
+sys.path.insert(0, sys.argv[2])
+from workers import N_CTX, LlamaCpp, WorkerArgs
+args = WorkerArgs(engine="llamacpp", task="ready", model=sys.argv[3], prompts={}, threads=int(sys.argv[4]),
+                  t0=float(sys.argv[1]), gpu=False, streams=[], verbose=False)
+LlamaCpp(args, N_CTX, 1)
+print(time.time() - args.t0)
+"""
+
+
+def wall_to_ready(model: str, threads: int, use_mmap: bool, reps: int) -> dict[str, list[float]]:
+    """Seconds to ready as bench.py measures them, engines alternating in fresh processes: the runner from its
+    spawn to /health ready through fit -> alloc -> commit (workers.start_runner); llama.cpp from before its
+    process starts to its model and context made (workers.LlamaCpp; bench.py's worker imports more first)."""
+    here = str(Path(__file__).resolve().parent)
+    worker = WorkerArgs(engine="runner", task="ready", model=model, prompts={}, threads=threads, t0=time.time(),
+                        gpu=False, streams=[], verbose=False, mmap=use_mmap)
+    seconds: dict[str, list[float]] = {"runner": [], "llamacpp": []}
+    for rep in range(reps):
+        for engine in ("runner", "llamacpp") if rep % 2 == 0 else ("llamacpp", "runner"):
+            if engine == "runner":
+                handle, ready, _ = start_runner(worker, N_CTX, 1)
+                handle.close()
+            else:
+                out = subprocess.run([sys.executable, "-c", _LLAMA_CPP_READY, repr(time.time()), here, model,
+                                      str(threads)], check=True, capture_output=True, text=True).stdout
+                ready = float(out.split()[-1])
+            seconds[engine].append(ready)
+            print(f"  rep {rep + 1}/{reps} {engine:8s} {ready:.3f} s", flush=True)
+    return seconds
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("models", nargs="+")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--mmap", action="store_true", help="map the file (UseMmap) instead of reading it")
+    parser.add_argument("--wall", type=int, metavar="REPS",
+                        help="instead: wall seconds to ready of the runner and llama.cpp, alternating, REPS each")
     args = parser.parse_args()
     compile_engine()  # as bench.py: an installed package's bytecode
+    if args.wall:
+        for model in args.models:
+            print(model, "(mapped)" if args.mmap else "(read)")
+            seconds = wall_to_ready(model, args.threads, args.mmap, args.wall)
+            runner, llamacpp = (statistics.median(seconds[e]) for e in ("runner", "llamacpp"))
+            ratios = [r / c for r, c in zip(seconds["runner"], seconds["llamacpp"], strict=True)]
+            print(f"  median runner {runner:.3f} s, llama.cpp {llamacpp:.3f} s: {runner / llamacpp:.2f}x "
+                  f"(median of the reps' ratios {statistics.median(ratios):.2f}x)")
+        return 0
     for model in args.models:
         steps, rss, memory = phases(model, args.threads, args.mmap)
         print(model)
