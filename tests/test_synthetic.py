@@ -9,9 +9,11 @@ import assets
 import gguf
 import numpy as np
 import pytest
+from synthetic.declared import SHAPES, declared_tensors, families
 from synthetic.models import PRESETS, resolve_spec, write_synthetic
 
 from ollama_engine.fs import GGUFFile
+from ollama_engine.ml import Backend
 
 
 @pytest.fixture(autouse=True)
@@ -237,6 +239,40 @@ def test_presets_for_benchmarks() -> None:
         8192,
     )
     assert llama.tied_embeddings and llama.rope_freqs and llama.vocab == "llama-bpe"
+
+
+DECLARED_PRESETS = [name for name, spec in PRESETS.items() if spec.arch in families() and name.startswith("tiny-")]
+
+
+@pytest.mark.parametrize("preset", DECLARED_PRESETS)
+def test_declared_tensors_are_what_the_model_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    preset: str) -> None:
+    """The tensors the writer derives from an architecture's declarations are exactly those its model asks the
+    backend for (those the Backend copies per layer asked for under the layer's name), and loading the file
+    finds every required one."""
+    from ollama_engine.models import load_model
+
+    asked: set[str] = set()
+    get = Backend.get
+
+    def recording(self: Backend, name: str):
+        asked.add(name)
+        return get(self, name)
+
+    monkeypatch.setattr(Backend, "get", recording)
+    path = write_synthetic(tmp_path / f"{preset}.gguf", preset)
+    model = load_model(path, allocate=False)
+    try:
+        written = set(GGUFFile.open(path).tensors)
+        assert {name for name in written if name not in asked and f"blk.0.{name}" not in asked} == set()
+    finally:
+        model.close()
+
+
+def test_a_declared_tensor_without_a_shape_rule_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delitem(SHAPES, "attn_q.bias")
+    with pytest.raises(ValueError, match=r"qwen2: no shape rule for \['attn_q.bias'\]"):
+        list(declared_tensors(resolve_spec("qwen2"), 1000))
 
 
 def test_smollm_shape_with_gpt2_vocab(tmp_path: Path) -> None:

@@ -7,6 +7,11 @@ normal(0, 1/sqrt(fan_in)) so each layer's outputs keep roughly unit variance and
 biases, rope_freqs and BERT's position and token-type tables stay F32 as llama.cpp leaves them;
 every other matrix, token_embd included, gets the requested weight type. Each tensor draws from its
 own generator seeded by (seed, name), so a tensor's values do not depend on the file's other tensors.
+
+Which tensors a file has comes, for most architectures, from the model's own weight() declarations
+(declared.py: names from the declarations, shapes from one rule per GGUF name); the architectures whose
+converters write a layer's tensors in another order keep their lists here (_tensor_plan). Presets are
+small changes of a few base specs (_tiny, dataclasses.replace).
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from gguf import GGML_QUANT_SIZES, MODEL_TENSOR, TENSOR_NAMES, GGMLQuantizationT
 from ollama_engine import paths
 from ollama_engine.fs.gguf_file import Conversion, GGUFFile
 
+from .declared import declared_tensors, families
+
 ARCHITECTURES = (
     "llama", "qwen2", "qwen3", "bert", "gemma2", "gemma3", "qwen3moe", "nomic-bert", "phi3", "olmo2", "mistral3",
     "gpt-oss", "llama4", "deepseek2", "gemma3n",
@@ -40,7 +47,6 @@ _ROPE_ARCHITECTURES = (
     "qwen2moe", "nomic-bert-moe", "lfm2", "lfm2moe", "qwen3next", "qwen35", "qwen35moe", "gemma4", "laguna",
     "qwen2vl",
 )
-_POST_NORM_ARCHITECTURES = ("gemma2", "gemma3", "olmo2")  # olmo2: post-norms only, q/k norms over all heads
 # a router and stacked experts instead of the FFN
 _MOE_ARCHITECTURES = ("qwen3moe", "gpt-oss", "llama4", "qwen2moe", "lfm2moe", "nemotron_h_moe", "qwen3next",
                       "qwen35moe")
@@ -189,594 +195,171 @@ class ModelSpec:
     def n_rot(self) -> int:
         return self.head_dim if self.head_dim is not None else self.n_embd // self.n_head
 
+    @property
+    def n_q(self) -> int:
+        return self.n_head * self.n_rot
 
-PRESETS: dict[str, ModelSpec] = {
-    "tiny-llama": ModelSpec(
-        arch="llama",
-        n_layer=2,
-        n_embd=64,
-        n_head=4,
-        n_head_kv=2,
-        n_ff=128,
-        vocab="llama-spm",
-        context_length=512,
-        tied_embeddings=False,
-        rope_freqs=True,
-        name="tiny-llama",
-    ),
-    "tiny-qwen2": ModelSpec(
-        arch="qwen2",
-        n_layer=2,
-        n_embd=64,
-        n_head=4,
-        n_head_kv=2,
-        n_ff=128,
-        vocab="qwen2",
-        context_length=512,
-        rope_base=1000000.0,
-        eps=1e-6,
-        qkv_bias=True,
-        name="tiny-qwen2",
-    ),
+    @property
+    def n_kv(self) -> int:
+        return self.n_head_kv * self.n_rot
+
+    @property
+    def n_ff_shexp(self) -> int:
+        """A shared expert's width: llama4's as one expert (expert_feed_forward_length), deepseek2's n_shared
+        experts', laguna's its own, the others' n_ff (written as expert_shared_feed_forward_length)."""
+        if self.mla is not None:
+            return self.n_ff_exp * self.mla.n_shared
+        if self.laguna is not None:
+            return self.laguna.n_ff_shexp
+        return self.n_ff_exp if self.arch == "llama4" else self.n_ff
+
+    @property
+    def leading_dense_layers(self) -> int:
+        """The dense layers before the mixtures."""
+        for options in (self.mla, self.laguna):
+            if options is not None:
+                return options.leading_dense
+        return self.leading_dense
+
+    def layer_heads(self, i: int) -> int:
+        """Layer i's query heads: laguna's full-attention layers (0 and every 4th after it, when a sliding window
+        is set: llama.cpp's default pattern) have n_head, its sliding ones laguna.n_head_swa."""
+        if self.laguna is None or self.sliding_window is None or i % 4 == 0:
+            return self.n_head
+        return self.laguna.n_head_swa
+
+
+def _tiny(arch: str, vocab: str, **options: Any) -> ModelSpec:
+    """A tiny model: 2 layers of width 64, 4 query heads over 2 KV heads, an FFN of 128, 512 positions;
+    `options` replace any field."""
+    fields = {"n_layer": 2, "n_embd": 64, "n_head": 4, "n_head_kv": 2, "n_ff": 128, "context_length": 512}
+    return ModelSpec(arch=arch, vocab=vocab, **{**fields, **options})
+
+
+_QWEN = {"rope_base": 1000000.0, "eps": 1e-6}
+_YARN_16 = {"original_context": 16, "rope_scaling_type": "yarn", "rope_scaling_factor": 4.0}  # YaRN from 16 positions
+_MAMBA = {"conv_width": 4, "ssm_inner": 128, "ssm_state": 32, "ssm_heads": 8, "ssm_groups": 2}
+_DELTANET = {"head_dim": 32, "n_ff": 64, "rope_base": 1000000.0, "tied_embeddings": False, "rope_dims": 8,
+             "conv_width": 4, "ssm_inner": 64, "ssm_state": 16, "ssm_heads": 4, "ssm_groups": 2, "eps": 1e-6}
+_EXPERTS_8_2 = {"n_expert": 8, "n_expert_used": 2, "n_ff_exp": 32}
+
+_tiny_qwen2 = _tiny("qwen2", "qwen2", qkv_bias=True, **_QWEN)
+_tiny_qwen3 = _tiny("qwen3", "qwen2", head_dim=32, qk_norm=True, **_QWEN)
+_tiny_bert = _tiny("bert", "bert-bge", n_head_kv=4, eps=1e-12)
+_tiny_olmo2 = _tiny("olmo2", "gpt-2", rope_base=500000.0, eps=1e-6, tied_embeddings=False, qk_norm=True)
+_tiny_lfm2 = _tiny("lfm2", "gpt-2", n_layer=4, rope_base=1000000.0, attention_layers=(1, 3))
+_tiny_nemotron_h = _tiny("nemotron_h", "gpt-2", n_layer=6, tied_embeddings=False, attention_layers=(3,),
+                         mlp_layers=(1, 5), **_MAMBA)
+_tiny_qwen3next = _tiny("qwen3next", "gpt-2", n_layer=4, **_DELTANET, **_EXPERTS_8_2)
+_tiny_deepseek2 = _tiny("deepseek2", "llama-bpe", n_layer=3, n_head_kv=1, head_dim=32, eps=1e-6, tied_embeddings=False,
+                        n_expert=8, n_expert_used=2, n_ff_exp=64)
+
+_PRESETS: dict[str, ModelSpec] = {
+    "tiny-llama": _tiny("llama", "llama-spm", tied_embeddings=False, rope_freqs=True),
+    "tiny-qwen2": _tiny_qwen2,
     # qwen2vl (Qwen2-VL, Qwen2.5-VL's text model): tiny-qwen2 with multimodal RoPE, 8 rotated pairs in
     # sections 2 (time), 3 (height), 3 (width), 0, as Qwen2.5-VL's 16, 24, 24, 0 of 64
-    "tiny-qwen2vl": ModelSpec(
-        arch="qwen2vl",
-        n_layer=2,
-        n_embd=64,
-        n_head=4,
-        n_head_kv=2,
-        n_ff=128,
-        vocab="qwen2",
-        context_length=512,
-        rope_base=1000000.0,
-        eps=1e-6,
-        qkv_bias=True,
-        rope_sections=(2, 3, 3, 0),
-        name="tiny-qwen2vl",
-    ),
-    "tiny-qwen3": ModelSpec(
-        arch="qwen3",
-        n_layer=2,
-        n_embd=64,
-        n_head=4,
-        n_head_kv=2,
-        n_ff=128,
-        vocab="qwen2",
-        head_dim=32,
-        context_length=512,
-        rope_base=1000000.0,
-        eps=1e-6,
-        qk_norm=True,
-        name="tiny-qwen3",
-    ),
-    "tiny-bert": ModelSpec(
-        arch="bert",
-        n_layer=2,
-        n_embd=64,
-        n_head=4,
-        n_head_kv=4,
-        n_ff=128,
-        vocab="bert-bge",
-        context_length=512,
-        eps=1e-12,
-        name="tiny-bert",
-    ),
-    "tiny-bert-reranker": ModelSpec(  # a cross-encoder (bge-reranker's layout): tiny-bert with a cls head
-        arch="bert",
-        n_layer=2,
-        n_embd=64,
-        n_head=4,
-        n_head_kv=4,
-        n_ff=128,
-        vocab="bert-bge",
-        context_length=512,
-        eps=1e-12,
-        pooling_type=int(gguf.PoolingType.RANK),
-        name="tiny-bert-reranker",
-    ),
-    "tiny-qwen3moe": ModelSpec(
-        arch="qwen3moe",
-        n_layer=2,
-        n_embd=64,
-        n_head=4,
-        n_head_kv=2,
-        n_ff=128,
-        vocab="qwen2",
-        head_dim=32,
-        context_length=512,
-        rope_base=1000000.0,
-        eps=1e-6,
-        qk_norm=True,
-        n_expert=8,
-        n_expert_used=3,
-        n_ff_exp=64,
-        name="tiny-qwen3moe",
-    ),
+    "tiny-qwen2vl": dataclasses.replace(_tiny_qwen2, arch="qwen2vl", rope_sections=(2, 3, 3, 0)),
+    "tiny-qwen3": _tiny_qwen3,
+    "tiny-bert": _tiny_bert,
+    # a cross-encoder (bge-reranker's layout): tiny-bert with a cls head
+    "tiny-bert-reranker": dataclasses.replace(_tiny_bert, pooling_type=int(gguf.PoolingType.RANK)),
+    "tiny-qwen3moe": dataclasses.replace(_tiny_qwen3, arch="qwen3moe", n_expert=8, n_expert_used=3, n_ff_exp=64),
     # Mixtral: llama with a mixture of experts for every FFN, as wide as feed_forward_length
-    "tiny-mixtral": ModelSpec(
-        arch="llama",
-        n_layer=2,
-        n_embd=64,
-        n_head=4,
-        n_head_kv=2,
-        n_ff=64,
-        vocab="llama-spm",
-        context_length=512,
-        rope_base=1000000.0,
-        tied_embeddings=False,
-        n_expert=4,
-        n_expert_used=2,
-        n_ff_exp=64,
-        name="tiny-mixtral",
-    ),
+    "tiny-mixtral": _tiny("llama", "llama-spm", n_ff=64, rope_base=1000000.0, tied_embeddings=False, n_expert=4,
+                          n_expert_used=2, n_ff_exp=64),
     # Qwen2-MoE: Qwen2's attention, experts and a sigmoid-gated shared expert as wide as feed_forward_length
-    "tiny-qwen2moe": ModelSpec(
-        arch="qwen2moe",
-        n_layer=2,
-        n_embd=64,
-        n_head=4,
-        n_head_kv=2,
-        n_ff=96,
-        vocab="qwen2",
-        context_length=512,
-        rope_base=1000000.0,
-        eps=1e-6,
-        tied_embeddings=False,
-        qkv_bias=True,
-        n_expert=8,
-        n_expert_used=3,
-        n_ff_exp=32,
-        name="tiny-qwen2moe",
-    ),
+    "tiny-qwen2moe": dataclasses.replace(_tiny_qwen2, arch="qwen2moe", n_ff=96, tied_embeddings=False, n_expert=8,
+                                         n_expert_used=3, n_ff_exp=32),
     # gpt-oss: two layers (sliding, global), YaRN from 16 positions, MXFP4 experts with biases, sinks
-    "tiny-gpt-oss": ModelSpec(
-        arch="gpt-oss",
-        n_layer=2,
-        n_embd=64,
-        n_head=4,
-        n_head_kv=2,
-        n_ff=128,
-        vocab="gpt-2",
-        head_dim=32,
-        context_length=512,
-        rope_base=150000.0,
-        tied_embeddings=False,
-        n_expert=8,
-        n_expert_used=3,
-        n_ff_exp=64,
-        expert_type="MXFP4",
-        sliding_window=8,
-        original_context=16,
-        rope_scaling_type="yarn",
-        rope_scaling_factor=4.0,
-        name="tiny-gpt-oss",
-    ),
+    "tiny-gpt-oss": _tiny("gpt-oss", "gpt-2", head_dim=32, rope_base=150000.0, tied_embeddings=False, qkv_bias=True,
+                          n_expert=8, n_expert_used=3, n_ff_exp=64, expert_type="MXFP4", sliding_window=8, **_YARN_16),
     # llama4: dense and mixture layers alternating, three chunked RoPE layers then a global one without
-    "tiny-llama4": ModelSpec(
-        arch="llama4",
-        n_layer=4,
-        n_embd=64,
-        n_head=4,
-        n_head_kv=2,
-        n_ff=128,
-        vocab="llama-bpe",
-        head_dim=32,
-        context_length=512,
-        rope_base=500000.0,
-        rope_freqs=True,
-        tied_embeddings=False,
-        n_expert=4,
-        n_expert_used=1,
-        n_ff_exp=64,
-        moe_every=2,
-        name="tiny-llama4",
-    ),
-    "tiny-nomic-bert": ModelSpec(
-        arch="nomic-bert",
-        n_layer=2,
-        n_embd=64,
-        n_head=4,
-        n_head_kv=4,
-        n_ff=128,
-        vocab="bert-bge",
-        context_length=512,
-        rope_base=1000.0,
-        eps=1e-12,
-        pooling_type=int(gguf.PoolingType.MEAN),
-        name="tiny-nomic-bert",
-    ),
+    "tiny-llama4": _tiny("llama4", "llama-bpe", n_layer=4, head_dim=32, rope_base=500000.0, rope_freqs=True,
+                         tied_embeddings=False, n_expert=4, n_expert_used=1, n_ff_exp=64, moe_every=2),
+    "tiny-nomic-bert": _tiny("nomic-bert", "bert-bge", n_head_kv=4, rope_base=1000.0, eps=1e-12,
+                             pooling_type=int(gguf.PoolingType.MEAN)),
     # nomic-embed-text v2 (XLM-RoBERTa's Unigram vocabulary): every second layer (1, 3) a mixture of
     # ungated GELU experts as wide as feed_forward_length
-    "tiny-nomic-bert-moe": ModelSpec(
-        arch="nomic-bert-moe",
-        n_layer=4,
-        n_embd=64,
-        n_head=4,
-        n_head_kv=4,
-        n_ff=128,
-        vocab="nomic-bert-moe",
-        context_length=512,
-        pooling_type=int(gguf.PoolingType.MEAN),
-        qkv_bias=True,
-        n_expert=4,
-        n_expert_used=2,
-        n_ff_exp=128,
-        moe_every=2,
-        name="tiny-nomic-bert-moe",
-    ),
+    "tiny-nomic-bert-moe": _tiny("nomic-bert-moe", "nomic-bert-moe", n_layer=4, n_head_kv=4,
+                                 pooling_type=int(gguf.PoolingType.MEAN), qkv_bias=True, n_expert=4, n_expert_used=2,
+                                 n_ff_exp=128, moe_every=2),
     # Gemma with a short window and small caps so that a short prompt crosses the window and the caps bite
-    "tiny-gemma2": ModelSpec(
-        arch="gemma2",
-        n_layer=2,
-        n_embd=64,
-        n_head=4,
-        n_head_kv=2,
-        n_ff=128,
-        vocab="llama-spm",
-        head_dim=32,
-        context_length=512,
-        eps=1e-6,
-        sliding_window=8,
-        attn_softcap=3.0,
-        final_softcap=10.0,
-        name="tiny-gemma2",
-    ),
-    "tiny-gemma3": ModelSpec(
-        arch="gemma3",
-        n_layer=3,
-        n_embd=64,
-        n_head=4,
-        n_head_kv=1,
-        n_ff=128,
-        vocab="llama-spm",
-        head_dim=32,
-        context_length=512,
-        rope_base=1000000.0,
-        eps=1e-6,
-        qk_norm=True,
-        sliding_window=8,
-        sliding_window_pattern=3,
-        rope_base_swa=10000.0,
-        name="tiny-gemma3",
-    ),
+    "tiny-gemma2": _tiny("gemma2", "llama-spm", head_dim=32, eps=1e-6, sliding_window=8, attn_softcap=3.0,
+                         final_softcap=10.0),
+    "tiny-gemma3": _tiny("gemma3", "llama-spm", n_layer=3, n_head_kv=1, head_dim=32, qk_norm=True, sliding_window=8,
+                         sliding_window_pattern=3, rope_base_swa=10000.0, **_QWEN),
     # phi3: fused q/k/v and gate/up, LongRoPE factors (long ones: contexts over 64), a window llama.cpp ignores
-    "tiny-phi3": ModelSpec(
-        arch="phi3",
-        n_layer=2,
-        n_embd=64,
-        n_head=4,
-        n_head_kv=2,
-        n_ff=128,
-        vocab="phi-3",
-        context_length=512,
-        tied_embeddings=False,
-        sliding_window=8,
-        original_context=64,
-        rope_attn_factor=1.19,
-        name="tiny-phi3",
-    ),
-    "tiny-olmo2": ModelSpec(
-        arch="olmo2",
-        n_layer=2,
-        n_embd=64,
-        n_head=4,
-        n_head_kv=2,
-        n_ff=128,
-        vocab="gpt-2",
-        context_length=512,
-        rope_base=500000.0,
-        eps=1e-6,
-        tied_embeddings=False,
-        qk_norm=True,
-        name="tiny-olmo2",
-    ),
-    # olmo2 as OLMo 3: sliding-window layers (a window of 8, every third layer global) and YaRN on the global ones;
-    # layout "ollama" writes it as Ollama's converter does (architecture olmo3, the pattern as one flag per layer)
+    "tiny-phi3": _tiny("phi3", "phi-3", tied_embeddings=False, sliding_window=8, original_context=64,
+                       rope_attn_factor=1.19),
+    "tiny-olmo2": _tiny_olmo2,
     # gemma4: sliding layers 0-2 and 4 (heads of 64, 2 KV heads, window 8), global 3 and 5 (heads of 128, one KV
     # head, no attn_v, a quarter of each head turned by proportional RoPE); layers 4 and 5 read layers 2's and
     # 3's keys and values and have FFNs twice as wide; per-layer embeddings of 32; final logits capped at 10
-    "tiny-gemma4": ModelSpec(
-        arch="gemma4",
-        n_layer=6,
-        n_embd=64,
-        n_head=4,
-        n_head_kv=1,
-        n_ff=128,
-        vocab="llama-spm",
-        head_dim=128,
-        context_length=512,
-        rope_base=1000000.0,
-        rope_base_swa=10000.0,
-        eps=1e-6,
-        sliding_window=8,
-        final_softcap=10.0,
-        gemma4=Gemma4Spec(swa=(True, True, True, False, True, False), head_dim_swa=64, n_head_kv_swa=2,
-                          rope_dims_swa=64, rotated_global=16, shared_kv_layers=2, n_embd_per_layer=32,
-                          k_eq_v_global=True, double_wide=True),
-        name="tiny-gemma4",
-    ),
-    "tiny-olmo3": ModelSpec(
-        arch="olmo2",
-        n_layer=3,
-        n_embd=64,
-        n_head=4,
-        n_head_kv=2,
-        n_ff=128,
-        vocab="gpt-2",
-        context_length=512,
-        rope_base=500000.0,
-        eps=1e-6,
-        tied_embeddings=False,
-        qk_norm=True,
-        sliding_window=8,
-        sliding_window_pattern=3,
-        original_context=64,
-        rope_scaling_type="yarn",
-        rope_scaling_factor=8.0,
-        name="tiny-olmo3",
-    ),
+    "tiny-gemma4": _tiny("gemma4", "llama-spm", n_layer=6, n_head_kv=1, head_dim=128, rope_base_swa=10000.0,
+                         sliding_window=8, final_softcap=10.0, **_QWEN,
+                         gemma4=Gemma4Spec(swa=(True, True, True, False, True, False), head_dim_swa=64,
+                                           n_head_kv_swa=2, rope_dims_swa=64, rotated_global=16, shared_kv_layers=2,
+                                           n_embd_per_layer=32, k_eq_v_global=True, double_wide=True)),
+    # olmo2 as OLMo 3: sliding-window layers (a window of 8, every third layer global) and YaRN on the global ones;
+    # layout "ollama" writes it as Ollama's converter does (architecture olmo3, the pattern as one flag per layer)
+    "tiny-olmo3": dataclasses.replace(_tiny_olmo2, n_layer=3, sliding_window=8, sliding_window_pattern=3,
+                                      original_context=64, rope_scaling_type="yarn", rope_scaling_factor=8.0),
     # mistral3 as Ministral 3: YaRN and a query temperature that changes every 16 positions
-    "tiny-mistral3": ModelSpec(
-        arch="mistral3",
-        n_layer=2,
-        n_embd=64,
-        n_head=4,
-        n_head_kv=2,
-        n_ff=128,
-        vocab="llama-spm",
-        head_dim=32,
-        context_length=512,
-        rope_base=1000000.0,
-        original_context=16,
-        rope_scaling_type="yarn",
-        rope_scaling_factor=4.0,
-        yarn_log_mul=1.0,
-        attn_temperature_scale=0.1,
-        name="tiny-mistral3",
-    ),
+    "tiny-mistral3": _tiny("mistral3", "llama-spm", head_dim=32, rope_base=1000000.0, yarn_log_mul=1.0,
+                           attn_temperature_scale=0.1, **_YARN_16),
     # deepseek2 as DeepSeek V3: low-rank query, one dense layer then mixtures with a shared expert, sigmoid
     # routing with a selection bias in expert groups, YaRN from 16 positions with mscale_all_dim 0.707
-    "tiny-deepseek2": ModelSpec(
-        arch="deepseek2",
-        n_layer=3,
-        n_embd=64,
-        n_head=4,
-        n_head_kv=1,
-        n_ff=128,
-        vocab="llama-bpe",
-        head_dim=32,
-        context_length=512,
-        eps=1e-6,
-        tied_embeddings=False,
-        n_expert=8,
-        n_expert_used=2,
-        n_ff_exp=64,
-        original_context=16,
-        rope_scaling_type="yarn",
-        rope_scaling_factor=4.0,
-        yarn_log_mul=0.0707,
+    "tiny-deepseek2": dataclasses.replace(
+        _tiny_deepseek2, yarn_log_mul=0.0707, **_YARN_16,
         mla=MLASpec(q_lora_rank=32, gating=2, weights_norm=True, weights_scale=2.5, selection_bias=True, groups=4,
-                    groups_used=2),
-        name="tiny-deepseek2",
-    ),
+                    groups_used=2)),
     # deepseek2 as GLM-4.7-Flash (llama.cpp converts it to deepseek2): low-rank query, the latent cache, one dense
     # layer then sigmoid-routed experts with a selection bias and no groups, normalised weights scaled by 1.8, a
     # shared expert, plain RoPE (theta 1e6) without YaRN, heads of 64 + 32 features with values of 96; layout
     # "ollama" writes Ollama's conversion (architecture glm4moelite)
-    "tiny-glm4moelite": ModelSpec(
-        arch="deepseek2",
-        n_layer=3,
-        n_embd=64,
-        n_head=4,
-        n_head_kv=1,
-        n_ff=128,
-        vocab="llama-bpe",
-        head_dim=32,
-        context_length=512,
-        rope_base=1000000.0,
-        eps=1e-5,
-        tied_embeddings=False,
-        n_expert=8,
-        n_expert_used=2,
-        n_ff_exp=32,
+    "tiny-glm4moelite": dataclasses.replace(
+        _tiny_deepseek2, rope_base=1000000.0, eps=1e-5, n_ff_exp=32,
         mla=MLASpec(kv_lora_rank=64, q_lora_rank=32, nope=64, v_head=96, gating=2, weights_norm=True,
-                    weights_scale=1.8, selection_bias=True),
-        name="tiny-glm4moelite",
-    ),
+                    weights_scale=1.8, selection_bias=True)),
     # laguna as Laguna-XS.2: layer 0 full attention (4 heads of 32, half of each turned, YaRN from 64 positions,
     # theta 5e5), layers 1-3 sliding (window 8, 6 heads, 24 features turned by plain RoPE with theta 5e4: no
     # default of either converter's), 2 KV heads, q/k norms, a softplus gate per head on the attention output;
     # one dense layer, then sigmoid-routed experts with a selection bias, normalised weights scaled by 2.5, and a
     # shared expert of 64; layout "ollama" writes Ollama's conversion (attn_g, rope.swa.* keys, per-layer flags)
-    "tiny-laguna": ModelSpec(
-        arch="laguna",
-        n_layer=4,
-        n_embd=64,
-        n_head=4,
-        n_head_kv=2,
-        n_ff=128,
-        vocab="gpt-2",
-        head_dim=32,
-        context_length=512,
-        rope_base=500000.0,
-        rope_base_swa=50000.0,
-        rope_dims=16,
-        eps=1e-6,
-        tied_embeddings=False,
-        sliding_window=8,
-        original_context=64,
-        rope_scaling_type="yarn",
-        rope_scaling_factor=4.0,
-        n_expert=8,
-        n_expert_used=2,
-        n_ff_exp=32,
-        laguna=LagunaSpec(n_head_swa=6, rope_dims_swa=24, n_ff_shexp=64),
-        name="tiny-laguna",
-    ),
+    "tiny-laguna": _tiny("laguna", "gpt-2", n_layer=4, head_dim=32, rope_base=500000.0, rope_base_swa=50000.0,
+                         rope_dims=16, eps=1e-6, tied_embeddings=False, sliding_window=8, original_context=64,
+                         rope_scaling_type="yarn", rope_scaling_factor=4.0, **_EXPERTS_8_2,
+                         laguna=LagunaSpec(n_head_swa=6, rope_dims_swa=24, n_ff_shexp=64)),
     # lfm2: short convolutions (3 taps) with attention in layers 1 and 3, the output tied to token_embd
-    "tiny-lfm2": ModelSpec(
-        arch="lfm2",
-        n_layer=4,
-        n_embd=64,
-        n_head=4,
-        n_head_kv=2,
-        n_ff=128,
-        vocab="gpt-2",
-        context_length=512,
-        rope_base=1000000.0,
-        attention_layers=(1, 3),
-        name="tiny-lfm2",
-    ),
+    "tiny-lfm2": _tiny_lfm2,
     # lfm2moe: tiny-lfm2's layers, the first dense, then mixtures of 8 experts (2 used, sigmoid routing)
-    "tiny-lfm2moe": ModelSpec(
-        arch="lfm2moe",
-        n_layer=4,
-        n_embd=64,
-        n_head=4,
-        n_head_kv=2,
-        n_ff=128,
-        vocab="gpt-2",
-        context_length=512,
-        rope_base=1000000.0,
-        attention_layers=(1, 3),
-        leading_dense=1,
-        n_expert=8,
-        n_expert_used=2,
-        n_ff_exp=32,
-        name="tiny-lfm2moe",
-    ),
+    "tiny-lfm2moe": dataclasses.replace(_tiny_lfm2, arch="lfm2moe", leading_dense=1, **_EXPERTS_8_2),
     # nemotron_h: Mamba-2 (4 taps, 8 heads of 16, 2 groups of state 32), MLP and attention layers: "M-M*M-"
-    "tiny-nemotron_h": ModelSpec(
-        arch="nemotron_h",
-        n_layer=6,
-        n_embd=64,
-        n_head=4,
-        n_head_kv=2,
-        n_ff=128,
-        vocab="gpt-2",
-        context_length=512,
-        tied_embeddings=False,
-        attention_layers=(3,),
-        mlp_layers=(1, 5),
-        conv_width=4,
-        ssm_inner=128,
-        ssm_state=32,
-        ssm_heads=8,
-        ssm_groups=2,
-        name="tiny-nemotron_h",
-    ),
+    "tiny-nemotron_h": _tiny_nemotron_h,
     # nemotron_h_moe: tiny-nemotron_h's layers, the MLPs mixtures of 8 ungated ReLU² experts (2 used, sigmoid
     # routing, selection bias, weights normalised and scaled) plus a shared expert as wide as n_ff
-    "tiny-nemotron_h_moe": ModelSpec(
-        arch="nemotron_h_moe",
-        n_layer=6,
-        n_embd=64,
-        n_head=4,
-        n_head_kv=2,
-        n_ff=128,
-        vocab="gpt-2",
-        context_length=512,
-        tied_embeddings=False,
-        attention_layers=(3,),
-        mlp_layers=(1, 5),
-        conv_width=4,
-        ssm_inner=128,
-        ssm_state=32,
-        ssm_heads=8,
-        ssm_groups=2,
-        n_expert=8,
-        n_expert_used=2,
-        n_ff_exp=32,
-        name="tiny-nemotron_h_moe",
-    ),
+    "tiny-nemotron_h_moe": dataclasses.replace(_tiny_nemotron_h, arch="nemotron_h_moe", **_EXPERTS_8_2),
     # qwen3next: gated DeltaNet in layers 0-2 (2 key heads of 16, 4 value heads, 4 conv taps), gated full
     # attention in 3 (head size 32, RoPE over 8 dims), mixtures of 8 experts (2 used) with a gated shared expert
-    "tiny-qwen3next": ModelSpec(
-        arch="qwen3next",
-        n_layer=4,
-        n_embd=64,
-        n_head=4,
-        n_head_kv=2,
-        head_dim=32,
-        n_ff=64,
-        vocab="gpt-2",
-        context_length=512,
-        rope_base=1000000.0,
-        tied_embeddings=False,
-        rope_dims=8,
-        conv_width=4,
-        ssm_inner=64,
-        ssm_state=16,
-        ssm_heads=4,
-        ssm_groups=2,
-        n_expert=8,
-        n_expert_used=2,
-        n_ff_exp=32,
-        eps=1e-6,
-        name="tiny-qwen3next",
-    ),
+    "tiny-qwen3next": _tiny_qwen3next,
     # qwen35: tiny-qwen3next's layers with beta and alpha projected apart, multimodal RoPE (sections 2, 1, 1
     # of the 4 rotated pairs) and a SwiGLU FFN; qwen35moe: the same with tiny-qwen3next's mixtures
-    "tiny-qwen35": ModelSpec(
-        arch="qwen35", n_layer=4, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_ff=64, vocab="gpt-2",
-        context_length=512, rope_base=1000000.0, tied_embeddings=False, rope_dims=8, rope_sections=(2, 1, 1, 0),
-        conv_width=4, ssm_inner=64, ssm_state=16, ssm_heads=4, ssm_groups=2, eps=1e-6, name="tiny-qwen35",
-    ),
-    "tiny-qwen35moe": ModelSpec(
-        arch="qwen35moe", n_layer=4, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_ff=64, vocab="gpt-2",
-        context_length=512, rope_base=1000000.0, tied_embeddings=False, rope_dims=8, rope_sections=(2, 1, 1, 0),
-        conv_width=4, ssm_inner=64, ssm_state=16, ssm_heads=4, ssm_groups=2, n_expert=8, n_expert_used=2,
-        n_ff_exp=32, eps=1e-6, name="tiny-qwen35moe",
-    ),
+    "tiny-qwen35": dataclasses.replace(_tiny_qwen3next, arch="qwen35", rope_sections=(2, 1, 1, 0), n_expert=0,
+                                       n_expert_used=0, n_ff_exp=0),
+    "tiny-qwen35moe": dataclasses.replace(_tiny_qwen3next, arch="qwen35moe", rope_sections=(2, 1, 1, 0)),
     # gemma3n: 22 layers (llama.cpp shares keys from layer 20 on), every other one sliding (window 8), so that
     # layer 20 reads layer 18's keys and values and layer 21 layer 19's; activation sparsity in layers 0-9; the
     # first 4096 tokens of llama-spm (per-layer embeddings are 256 x 22 per token); final logits capped at 30
-    "tiny-gemma3n": ModelSpec(
-        arch="gemma3n",
-        n_layer=22,
-        n_embd=64,
-        n_head=4,
-        n_head_kv=2,
-        n_ff=128,
-        vocab="llama-spm",
-        n_vocab=4096,
-        head_dim=32,
-        context_length=512,
-        rope_base=1000000.0,
-        rope_base_swa=10000.0,
-        eps=1e-6,
-        sliding_window=8,
-        final_softcap=30.0,
-        gemma3n=Gemma3nSpec(shared_kv_layers=2, swa_pattern=2),
-        name="tiny-gemma3n",
-    ),
-    "smollm2-135m": ModelSpec(
-        arch="llama",
-        n_layer=30,
-        n_embd=576,
-        n_head=9,
-        n_head_kv=3,
-        n_ff=1536,
-        vocab="gpt-2",
-        context_length=8192,
-        rope_base=100000.0,
-        name="smollm2-135m",
-    ),
-    "llama-3.2-1b": ModelSpec(
-        arch="llama",
-        n_layer=16,
-        n_embd=2048,
-        n_head=32,
-        n_head_kv=8,
-        n_ff=8192,
-        vocab="llama-bpe",
-        context_length=131072,
-        rope_base=500000.0,
-        rope_freqs=True,
-        name="llama-3.2-1b",
-    ),
+    "tiny-gemma3n": _tiny("gemma3n", "llama-spm", n_layer=22, n_vocab=4096, head_dim=32, rope_base_swa=10000.0,
+                          sliding_window=8, final_softcap=30.0, gemma3n=Gemma3nSpec(shared_kv_layers=2, swa_pattern=2),
+                          **_QWEN),
+    "smollm2-135m": ModelSpec(arch="llama", n_layer=30, n_embd=576, n_head=9, n_head_kv=3, n_ff=1536, vocab="gpt-2",
+                              context_length=8192, rope_base=100000.0),
+    "llama-3.2-1b": ModelSpec(arch="llama", n_layer=16, n_embd=2048, n_head=32, n_head_kv=8, n_ff=8192,
+                              vocab="llama-bpe", context_length=131072, rope_base=500000.0, rope_freqs=True),
 }
+PRESETS: dict[str, ModelSpec] = {name: dataclasses.replace(spec, name=name) for name, spec in _PRESETS.items()}
 
 
 def resolve_spec(arch_or_preset: str, **overrides: Any) -> ModelSpec:
@@ -912,11 +495,13 @@ def _check(spec: ModelSpec) -> None:
 
 
 def _tensor_plan(spec: ModelSpec, n_vocab: int, qtype: GGMLQuantizationType) -> Iterator[_Tensor]:
-    """Every tensor llama.cpp loads for the architecture, with its ggml shape."""
+    """Every tensor llama.cpp loads for the architecture, with its ggml shape and type, in the file's order:
+    from the model's declarations (declared.py) where declared.families() has the architecture, else listed
+    below (bert and nomic-bert, phi3, lfm2, nemotron_h, qwen3next and qwen35, gemma3n, gemma4: their converters
+    order a layer's tensors otherwise than the shared order, and several shapes are their own)."""
     f32 = GGMLQuantizationType.F32
 
-    def tensor(key: MODEL_TENSOR, suffix: str, shape: tuple[int, ...], kind: str, bid: int = 0) -> _Tensor:
-        name = TENSOR_NAMES[key].format(bid=bid) + "." + suffix
+    def named(name: str, shape: tuple[int, ...], kind: str) -> _Tensor:
         own = qtype
         if kind == "embedding":  # token_embd and output, in their own type where the spec names one
             kind, own = "matrix", WEIGHT_TYPES[spec.embedding_type][0] if spec.embedding_type else qtype
@@ -932,6 +517,12 @@ def _tensor_plan(spec: ModelSpec, n_vocab: int, qtype: GGMLQuantizationType) -> 
             )
         return _Tensor(name, shape, kind, own)
 
+    def tensor(key: MODEL_TENSOR, suffix: str, shape: tuple[int, ...], kind: str, bid: int = 0) -> _Tensor:
+        return named(TENSOR_NAMES[key].format(bid=bid) + "." + suffix, shape, kind)
+
+    if spec.arch in families():
+        yield from (named(*t) for t in declared_tensors(spec, n_vocab))
+        return
     n_embd, n_ff = spec.n_embd, spec.n_ff
     n_q, n_kv = spec.n_head * spec.n_rot, spec.n_head_kv * spec.n_rot
     yield tensor(MODEL_TENSOR.TOKEN_EMBD, "weight", (n_embd, n_vocab), "embedding")
@@ -975,12 +566,6 @@ def _tensor_plan(spec: ModelSpec, n_vocab: int, qtype: GGMLQuantizationType) -> 
         yield tensor(MODEL_TENSOR.OUTPUT, "weight", (n_embd, n_vocab), "embedding")
     if spec.rope_freqs:
         yield tensor(MODEL_TENSOR.ROPE_FREQS, "weight", (spec.n_rot // 2,), "rope_freqs")
-    if spec.arch == "gpt-oss":
-        yield from _gpt_oss_tensors(tensor, spec)
-        return
-    if spec.arch == "deepseek2":
-        yield from _deepseek2_tensors(tensor, spec)
-        return
     if spec.arch == "phi3":
         yield from _phi3_tensors(tensor, spec)
         return
@@ -996,61 +581,38 @@ def _tensor_plan(spec: ModelSpec, n_vocab: int, qtype: GGMLQuantizationType) -> 
     if spec.arch == "gemma4":
         yield from _gemma4_tensors(tensor, spec, n_vocab)
         return
-    if spec.arch == "laguna":
-        yield from _laguna_tensors(tensor, spec)
-        return
     if spec.arch == "gemma3n":
         yield from _gemma3n_tensors(tensor, spec, n_vocab)
         return
-    for i in range(spec.n_layer):
-        if spec.arch != "olmo2":  # olmo2 has no pre-norms
-            yield tensor(MODEL_TENSOR.ATTN_NORM, "weight", (n_embd,), "norm", i)
-        for key, shape in (
-            (MODEL_TENSOR.ATTN_Q, (n_embd, n_q)),
-            (MODEL_TENSOR.ATTN_K, (n_embd, n_kv)),
-            (MODEL_TENSOR.ATTN_V, (n_embd, n_kv)),
-        ):
-            yield tensor(key, "weight", shape, "matrix", i)
-            if spec.qkv_bias:
-                yield tensor(key, "bias", shape[1:], "bias", i)
-        if spec.qk_norm:
-            width = (n_q, n_kv) if spec.arch == "olmo2" else (spec.n_rot, spec.n_rot)
-            yield tensor(MODEL_TENSOR.ATTN_Q_NORM, "weight", width[:1], "norm", i)
-            yield tensor(MODEL_TENSOR.ATTN_K_NORM, "weight", width[1:], "norm", i)
-        yield tensor(MODEL_TENSOR.ATTN_OUT, "weight", (n_q, n_embd), "matrix", i)
-        if spec.arch in _POST_NORM_ARCHITECTURES:
-            yield tensor(MODEL_TENSOR.ATTN_POST_NORM, "weight", (n_embd,), "norm", i)
-            yield tensor(MODEL_TENSOR.FFN_POST_NORM, "weight", (n_embd,), "norm", i)
-        if spec.arch != "olmo2":  # olmo2 has no pre-norms
-            yield tensor(MODEL_TENSOR.FFN_NORM, "weight", (n_embd,), "norm", i)
-        if spec.n_expert and (i + 1) % spec.moe_every == 0:
-            yield from _expert_tensors(tensor, spec, i)
-            if spec.arch == "llama4":  # and a shared expert as wide as one of them
-                yield tensor(MODEL_TENSOR.FFN_GATE_SHEXP, "weight", (n_embd, spec.n_ff_exp), "matrix", i)
-                yield tensor(MODEL_TENSOR.FFN_DOWN_SHEXP, "weight", (spec.n_ff_exp, n_embd), "matrix", i)
-                yield tensor(MODEL_TENSOR.FFN_UP_SHEXP, "weight", (n_embd, spec.n_ff_exp), "matrix", i)
-            if spec.arch == "qwen2moe":  # a shared expert as wide as feed_forward_length, and its gate
-                yield tensor(MODEL_TENSOR.FFN_GATE_INP_SHEXP, "weight", (n_embd,), "table", i)
-                yield tensor(MODEL_TENSOR.FFN_GATE_SHEXP, "weight", (n_embd, n_ff), "matrix", i)
-                yield tensor(MODEL_TENSOR.FFN_DOWN_SHEXP, "weight", (n_ff, n_embd), "matrix", i)
-                yield tensor(MODEL_TENSOR.FFN_UP_SHEXP, "weight", (n_embd, n_ff), "matrix", i)
-            continue
-        yield tensor(MODEL_TENSOR.FFN_GATE, "weight", (n_embd, n_ff), "matrix", i)
-        yield tensor(MODEL_TENSOR.FFN_DOWN, "weight", (n_ff, n_embd), "matrix", i)
-        yield tensor(MODEL_TENSOR.FFN_UP, "weight", (n_embd, n_ff), "matrix", i)
+    raise ValueError(f"{spec.name}: no tensor plan for {spec.arch}")
+
+
+def _attention_tensors(tensor, spec: ModelSpec, i: int, gated: bool = False) -> Iterator[_Tensor]:
+    """Layer i's attn_q, attn_k, attn_v and attn_output, without biases; gated: the query projection also
+    gives the output gate (twice as wide)."""
+    n_embd, n_q, n_kv = spec.n_embd, spec.n_q, spec.n_kv
+    for key, shape in ((MODEL_TENSOR.ATTN_Q, (n_embd, 2 * n_q if gated else n_q)),
+                       (MODEL_TENSOR.ATTN_K, (n_embd, n_kv)), (MODEL_TENSOR.ATTN_V, (n_embd, n_kv)),
+                       (MODEL_TENSOR.ATTN_OUT, (n_q, n_embd))):
+        yield tensor(key, "weight", shape, "matrix", i)
+
+
+def _swiglu_tensors(tensor, spec: ModelSpec, i: int) -> Iterator[_Tensor]:
+    """Layer i's SwiGLU FFN of width n_ff, in the converters' order."""
+    yield tensor(MODEL_TENSOR.FFN_GATE, "weight", (spec.n_embd, spec.n_ff), "matrix", i)
+    yield tensor(MODEL_TENSOR.FFN_DOWN, "weight", (spec.n_ff, spec.n_embd), "matrix", i)
+    yield tensor(MODEL_TENSOR.FFN_UP, "weight", (spec.n_embd, spec.n_ff), "matrix", i)
 
 
 def _lfm2_tensors(tensor, spec: ModelSpec) -> Iterator[_Tensor]:
     """LFM2's output norm (named token_embd_norm) and layers: short convolutions, and attention in
     spec.attention_layers with per-head q/k norms; every layer a SwiGLU FFN."""
-    n_embd, n_ff, n_q, n_kv = spec.n_embd, spec.n_ff, spec.n_head * spec.n_rot, spec.n_head_kv * spec.n_rot
+    n_embd = spec.n_embd
     yield tensor(MODEL_TENSOR.TOKEN_EMBD_NORM, "weight", (n_embd,), "norm")
     for i in range(spec.n_layer):
         yield tensor(MODEL_TENSOR.ATTN_NORM, "weight", (n_embd,), "norm", i)
         if i in spec.attention_layers:
-            for key, shape in ((MODEL_TENSOR.ATTN_Q, (n_embd, n_q)), (MODEL_TENSOR.ATTN_K, (n_embd, n_kv)),
-                               (MODEL_TENSOR.ATTN_V, (n_embd, n_kv)), (MODEL_TENSOR.ATTN_OUT, (n_q, n_embd))):
-                yield tensor(key, "weight", shape, "matrix", i)
+            yield from _attention_tensors(tensor, spec, i)
             yield tensor(MODEL_TENSOR.ATTN_Q_NORM, "weight", (spec.n_rot,), "norm", i)
             yield tensor(MODEL_TENSOR.ATTN_K_NORM, "weight", (spec.n_rot,), "norm", i)
         else:  # the kernel stays F32, as llama.cpp's quantizer leaves it
@@ -1062,23 +624,19 @@ def _lfm2_tensors(tensor, spec: ModelSpec) -> Iterator[_Tensor]:
             yield from _expert_tensors(tensor, spec, i)
             yield tensor(MODEL_TENSOR.FFN_EXP_PROBS_B, "bias", (spec.n_expert,), "bias", i)
             continue
-        yield tensor(MODEL_TENSOR.FFN_GATE, "weight", (n_embd, n_ff), "matrix", i)
-        yield tensor(MODEL_TENSOR.FFN_DOWN, "weight", (n_ff, n_embd), "matrix", i)
-        yield tensor(MODEL_TENSOR.FFN_UP, "weight", (n_embd, n_ff), "matrix", i)
+        yield from _swiglu_tensors(tensor, spec, i)
 
 
 def _nemotron_h_tensors(tensor, spec: ModelSpec) -> Iterator[_Tensor]:
     """Nemotron-H's layers: attention (no norms, no RoPE) in spec.attention_layers, a ReLU² MLP in
     spec.mlp_layers, Mamba-2 in the others; every one behind an attn_norm."""
-    n_embd, n_q, n_kv = spec.n_embd, spec.n_head * spec.n_rot, spec.n_head_kv * spec.n_rot
+    n_embd = spec.n_embd
     inner, groups, heads = spec.ssm_inner, spec.ssm_groups, spec.ssm_heads
     channels = inner + 2 * groups * spec.ssm_state  # x, B, C: what the convolution sees
     for i in range(spec.n_layer):
         yield tensor(MODEL_TENSOR.ATTN_NORM, "weight", (n_embd,), "norm", i)
         if i in spec.attention_layers:
-            for key, shape in ((MODEL_TENSOR.ATTN_Q, (n_embd, n_q)), (MODEL_TENSOR.ATTN_K, (n_embd, n_kv)),
-                               (MODEL_TENSOR.ATTN_V, (n_embd, n_kv)), (MODEL_TENSOR.ATTN_OUT, (n_q, n_embd))):
-                yield tensor(key, "weight", shape, "matrix", i)
+            yield from _attention_tensors(tensor, spec, i)
         elif i in spec.mlp_layers and spec.arch == "nemotron_h_moe":  # ungated experts, a shared expert
             n_ff, n_expert = spec.n_ff_exp, spec.n_expert
             yield tensor(MODEL_TENSOR.FFN_GATE_INP, "weight", (n_embd, n_expert), "table", i)
@@ -1125,16 +683,11 @@ def _qwen3next_tensors(tensor, spec: ModelSpec) -> Iterator[_Tensor]:
             yield tensor(MODEL_TENSOR.SSM_NORM, "weight", (spec.ssm_state,), "norm", i)
             yield tensor(MODEL_TENSOR.SSM_OUT, "weight", (inner, n_embd), "matrix", i)
         else:
-            n_q, n_kv = spec.n_head * spec.n_rot, spec.n_head_kv * spec.n_rot
-            for key, shape in ((MODEL_TENSOR.ATTN_Q, (n_embd, 2 * n_q)), (MODEL_TENSOR.ATTN_K, (n_embd, n_kv)),
-                               (MODEL_TENSOR.ATTN_V, (n_embd, n_kv)), (MODEL_TENSOR.ATTN_OUT, (n_q, n_embd))):
-                yield tensor(key, "weight", shape, "matrix", i)
+            yield from _attention_tensors(tensor, spec, i, gated=True)
             yield tensor(MODEL_TENSOR.ATTN_Q_NORM, "weight", (spec.n_rot,), "norm", i)
             yield tensor(MODEL_TENSOR.ATTN_K_NORM, "weight", (spec.n_rot,), "norm", i)
         if spec.arch == "qwen35":
-            yield tensor(MODEL_TENSOR.FFN_GATE, "weight", (n_embd, n_ff), "matrix", i)
-            yield tensor(MODEL_TENSOR.FFN_DOWN, "weight", (n_ff, n_embd), "matrix", i)
-            yield tensor(MODEL_TENSOR.FFN_UP, "weight", (n_embd, n_ff), "matrix", i)
+            yield from _swiglu_tensors(tensor, spec, i)
             continue
         yield from _expert_tensors(tensor, spec, i)
         yield tensor(MODEL_TENSOR.FFN_GATE_INP_SHEXP, "weight", (n_embd,), "table", i)
@@ -1249,29 +802,6 @@ def _nomic_bert_tensors(tensor, spec: ModelSpec) -> Iterator[_Tensor]:
         yield tensor(MODEL_TENSOR.LAYER_OUT_NORM, "bias", (n_embd,), "bias", i)
 
 
-def _gpt_oss_tensors(tensor, spec: ModelSpec) -> Iterator[_Tensor]:
-    """gpt-oss's layers: q/k/v/output with biases, attention sinks, biased router and experts."""
-    n_embd, n_ff, n_expert = spec.n_embd, spec.n_ff_exp, spec.n_expert
-    n_q, n_kv = spec.n_head * spec.n_rot, spec.n_head_kv * spec.n_rot
-    for i in range(spec.n_layer):
-        yield tensor(MODEL_TENSOR.ATTN_NORM, "weight", (n_embd,), "norm", i)
-        for key, shape in (
-            (MODEL_TENSOR.ATTN_Q, (n_embd, n_q)),
-            (MODEL_TENSOR.ATTN_K, (n_embd, n_kv)),
-            (MODEL_TENSOR.ATTN_V, (n_embd, n_kv)),
-            (MODEL_TENSOR.ATTN_OUT, (n_q, n_embd)),
-        ):
-            yield tensor(key, "weight", shape, "matrix", i)
-            yield tensor(key, "bias", shape[1:], "bias", i)
-        yield tensor(MODEL_TENSOR.ATTN_SINKS, "weight", (spec.n_head,), "sinks", i)
-        yield tensor(MODEL_TENSOR.ATTN_POST_NORM, "weight", (n_embd,), "norm", i)
-        yield from _expert_tensors(tensor, spec, i)
-        yield tensor(MODEL_TENSOR.FFN_GATE_INP, "bias", (n_expert,), "bias", i)
-        yield tensor(MODEL_TENSOR.FFN_GATE_EXP, "bias", (n_ff, n_expert), "bias", i)
-        yield tensor(MODEL_TENSOR.FFN_DOWN_EXP, "bias", (n_embd, n_expert), "bias", i)
-        yield tensor(MODEL_TENSOR.FFN_UP_EXP, "bias", (n_ff, n_expert), "bias", i)
-
-
 def _ollama_gpt_oss(tensors: list[_Tensor], layout: str) -> Iterator[_Tensor]:
     """gpt-oss's tensors as Ollama's converter names them (model/models/gptoss in Ollama), with the same
     data: attn_out, attn_sinks, ffn_norm; but in layout "ollama", q, k and v (and their biases) in one
@@ -1309,76 +839,9 @@ def _old_conversion(t: _Tensor, openai_mxfp4: bool) -> Conversion | None:
     return Conversion.OPENAI_MXFP4 if mxfp4 else None
 
 
-def _deepseek2_tensors(tensor, spec: ModelSpec) -> Iterator[_Tensor]:
-    """deepseek2's layers: MLA attention (low-rank or direct query; attn_k_b/attn_v_b, or attn_kv_b), dense
-    SwiGLU layers first, then mixtures with shared experts and optionally a selection bias."""
-    mla, n_embd, rope = spec.mla, spec.n_embd, spec.n_rot
-    n_head, k_head = spec.n_head, mla.nope + rope
-    shared = spec.n_ff_exp * mla.n_shared
-    for i in range(spec.n_layer):
-        yield tensor(MODEL_TENSOR.ATTN_NORM, "weight", (n_embd,), "norm", i)
-        if mla.q_lora_rank:
-            yield tensor(MODEL_TENSOR.ATTN_Q_A, "weight", (n_embd, mla.q_lora_rank), "matrix", i)
-            yield tensor(MODEL_TENSOR.ATTN_Q_A_NORM, "weight", (mla.q_lora_rank,), "norm", i)
-            yield tensor(MODEL_TENSOR.ATTN_Q_B, "weight", (mla.q_lora_rank, n_head * k_head), "matrix", i)
-        else:
-            yield tensor(MODEL_TENSOR.ATTN_Q, "weight", (n_embd, n_head * k_head), "matrix", i)
-        yield tensor(MODEL_TENSOR.ATTN_KV_A_MQA, "weight", (n_embd, mla.kv_lora_rank + rope), "matrix", i)
-        yield tensor(MODEL_TENSOR.ATTN_KV_A_NORM, "weight", (mla.kv_lora_rank,), "norm", i)
-        if mla.kv_b:
-            yield tensor(MODEL_TENSOR.ATTN_KV_B, "weight", (mla.kv_lora_rank, n_head * (mla.nope + mla.v_head)),
-                         "matrix", i)
-        else:
-            yield tensor(MODEL_TENSOR.ATTN_K_B, "weight", (mla.nope, mla.kv_lora_rank, n_head), "matrix", i)
-            yield tensor(MODEL_TENSOR.ATTN_V_B, "weight", (mla.kv_lora_rank, mla.v_head, n_head), "matrix", i)
-        yield tensor(MODEL_TENSOR.ATTN_OUT, "weight", (n_head * mla.v_head, n_embd), "matrix", i)
-        yield tensor(MODEL_TENSOR.FFN_NORM, "weight", (n_embd,), "norm", i)
-        if i < mla.leading_dense:
-            yield tensor(MODEL_TENSOR.FFN_GATE, "weight", (n_embd, spec.n_ff), "matrix", i)
-            yield tensor(MODEL_TENSOR.FFN_DOWN, "weight", (spec.n_ff, n_embd), "matrix", i)
-            yield tensor(MODEL_TENSOR.FFN_UP, "weight", (n_embd, spec.n_ff), "matrix", i)
-            continue
-        yield from _expert_tensors(tensor, spec, i)
-        if mla.selection_bias:
-            yield tensor(MODEL_TENSOR.FFN_EXP_PROBS_B, "bias", (spec.n_expert,), "bias", i)
-        yield tensor(MODEL_TENSOR.FFN_GATE_SHEXP, "weight", (n_embd, shared), "matrix", i)
-        yield tensor(MODEL_TENSOR.FFN_DOWN_SHEXP, "weight", (shared, n_embd), "matrix", i)
-        yield tensor(MODEL_TENSOR.FFN_UP_SHEXP, "weight", (n_embd, shared), "matrix", i)
-
-
 def _laguna_heads(spec: ModelSpec) -> list[int]:
-    """Query heads per layer: layer 0 and every 4th after it full attention (llama.cpp's default pattern when a
-    sliding window is set), the others sliding."""
-    full = spec.sliding_window is None
-    return [spec.n_head if full or i % 4 == 0 else spec.laguna.n_head_swa for i in range(spec.n_layer)]
-
-
-def _laguna_tensors(tensor, spec: ModelSpec) -> Iterator[_Tensor]:
-    """laguna's layers: q/k/v with per-head norms, the attention output gate (per head or per element), dense
-    SwiGLU layers first, then sigmoid-routed experts with a selection bias and a shared expert."""
-    lag, n_embd, head = spec.laguna, spec.n_embd, spec.n_rot
-    n_kv = spec.n_head_kv * head
-    for i, heads in enumerate(_laguna_heads(spec)):
-        yield tensor(MODEL_TENSOR.ATTN_NORM, "weight", (n_embd,), "norm", i)
-        yield tensor(MODEL_TENSOR.ATTN_Q, "weight", (n_embd, heads * head), "matrix", i)
-        yield tensor(MODEL_TENSOR.ATTN_K, "weight", (n_embd, n_kv), "matrix", i)
-        yield tensor(MODEL_TENSOR.ATTN_V, "weight", (n_embd, n_kv), "matrix", i)
-        yield tensor(MODEL_TENSOR.ATTN_Q_NORM, "weight", (head,), "norm", i)
-        yield tensor(MODEL_TENSOR.ATTN_K_NORM, "weight", (head,), "norm", i)
-        yield tensor(MODEL_TENSOR.ATTN_GATE, "weight", (n_embd, heads * head if lag.gate_per_element else heads),
-                     "matrix", i)
-        yield tensor(MODEL_TENSOR.ATTN_OUT, "weight", (heads * head, n_embd), "matrix", i)
-        yield tensor(MODEL_TENSOR.FFN_NORM, "weight", (n_embd,), "norm", i)
-        if i < lag.leading_dense:
-            yield tensor(MODEL_TENSOR.FFN_GATE, "weight", (n_embd, spec.n_ff), "matrix", i)
-            yield tensor(MODEL_TENSOR.FFN_DOWN, "weight", (spec.n_ff, n_embd), "matrix", i)
-            yield tensor(MODEL_TENSOR.FFN_UP, "weight", (n_embd, spec.n_ff), "matrix", i)
-            continue
-        yield from _expert_tensors(tensor, spec, i)
-        yield tensor(MODEL_TENSOR.FFN_EXP_PROBS_B, "bias", (spec.n_expert,), "bias", i)
-        yield tensor(MODEL_TENSOR.FFN_GATE_SHEXP, "weight", (n_embd, lag.n_ff_shexp), "matrix", i)
-        yield tensor(MODEL_TENSOR.FFN_DOWN_SHEXP, "weight", (lag.n_ff_shexp, n_embd), "matrix", i)
-        yield tensor(MODEL_TENSOR.FFN_UP_SHEXP, "weight", (n_embd, lag.n_ff_shexp), "matrix", i)
+    """Query heads per layer (ModelSpec.layer_heads)."""
+    return [spec.layer_heads(i) for i in range(spec.n_layer)]
 
 
 def _add_laguna_hparams(writer: gguf.GGUFWriter, spec: ModelSpec) -> None:
