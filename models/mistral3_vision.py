@@ -80,9 +80,8 @@ class PixtralVision(VisionModel):
         if self.head_dim % 4 or c.get_uint("vision.attention.key_length", self.head_dim) != self.head_dim:
             raise ModelError(f"{path}: vision heads of {self.head_dim} (width {self.n_embd}, {self.n_head} heads) "
                              "need a size divisible by 4 and equal to vision.attention.key_length")
-        if self.merge < 1 or (self.w.patch_merger is None) != (self.merge == 1):
-            raise ModelError(f"{path}: spatial merge {self.merge} with{'out' if self.w.patch_merger is None else ''} "
-                             "a patch merger (mm.patch_merger): a merge above 1 needs one")
+        if self.merge < 1 or (self.w.patch_merger is None and self.merge != 1):
+            raise ModelError(f"{path}: spatial merge {self.merge} needs a patch merger (mm.patch_merger)")
         merged = (self.n_embd * self.merge**2, self.n_embd)
         if self.w.patch_merger is not None and (self.w.input_norm is None or self.w.patch_merger.shape[:2] != merged):
             raise ModelError(f"{path}: patch merger {self.w.patch_merger.shape} for width {self.n_embd} merged "
