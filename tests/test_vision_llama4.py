@@ -132,3 +132,38 @@ def test_prompt_with_images_through_the_runner_is_mtmds(files, layout, n_batch):
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.reference
+def test_serve_answers_about_an_image_with_the_official_client(files, tmp_path):
+    """A real serve, the official ollama client: Llama 4 made from the single file and from the text GGUF plus
+    its mmproj (two files of one model), `vision` in /api/show, and a raw prompt with an image answered with
+    llama.cpp's greedy text."""
+    import ollama
+    from serve_process import serve_process
+    from test_vision_views import mtmd_answer
+
+    from ollama_engine.fs.gguf_file import GGUFFile
+    from ollama_engine.tokenizer import from_metadata
+
+    image = IMAGES["png-wide"]()
+    prompt = "Look at [img-0]. What do you see?"
+    tokenizer = from_metadata(GGUFFile.open(files["text"]).metadata)
+    tokens = []
+    for token, _ in mtmd_answer(files["text"], files["mmproj-F32"], prompt, [image.pixels], 512, steps=6):
+        if tokenizer.is_eog(token):
+            break
+        tokens.append(token)
+    expected = b"".join(tokenizer.token_piece(t) for t in tokens).decode(errors="replace")
+    (tmp_path / "models").mkdir()
+    with serve_process(tmp_path / "models") as url:
+        client = ollama.Client(host=url)
+        made = {"scout": [files["single-F32"]], "scout-split": [files["text"], files["mmproj-F32"]]}
+        for name, paths in made.items():
+            blobs = {path.name: client.create_blob(path) for path in paths}
+            assert client.create(model=name, files=blobs).status == "success"
+            assert "vision" in client.show(name).capabilities
+            answer = client.generate(model=name, prompt=prompt, raw=True, images=[png_bytes(image.pixels)],
+                                     options={"temperature": 0, "num_predict": 6})
+            assert answer.done and answer.response == expected, (name, answer.response, expected)
+            assert answer.prompt_eval_count >= ROWS * 5  # four tiles and the thumbnail
