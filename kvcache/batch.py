@@ -68,3 +68,13 @@ class Batch:
 
     def __len__(self) -> int:
         return len(self.positions)
+
+    def runs(self) -> list[tuple[int, int, int]]:
+        """(sequence, first row, rows) for each run of consecutive rows of one sequence, in order."""
+        sequences = self.sequences.tolist()
+        runs, begin = [], 0
+        for i in range(1, len(sequences) + 1):
+            if i == len(sequences) or sequences[i] != sequences[begin]:
+                runs.append((sequences[begin], begin, i - begin))
+                begin = i
+        return runs

@@ -467,14 +467,10 @@ class Causal:
 
     def _runs(self, batch: Batch) -> list[tuple[int, int, int]]:
         """(sequence, first row, rows) for each sequence of the batch, whose rows must be consecutive."""
-        sequences = batch.sequences.tolist()
-        runs, begin = [], 0
-        for i in range(1, len(sequences) + 1):
-            if i == len(sequences) or sequences[i] != sequences[begin]:
-                runs.append((sequences[begin], begin, i - begin))
-                begin = i
+        runs = batch.runs()
         if len(runs) > 1 and len({seq for seq, _, _ in runs}) != len(runs):
-            raise ValueError(f"a batch must hold each sequence's tokens together, got sequences {sequences}")
+            raise ValueError(f"a batch must hold each sequence's tokens together, got sequences "
+                             f"{batch.sequences.tolist()}")
         for seq, _, _ in runs:
             self._cells_of(seq)  # validates the id
         return runs

@@ -143,7 +143,7 @@ class Recurrent:
         """Place the batch: cells for its keys and values, and for each sequence the rows its recurrent
         layers read and write. Returns the layout a graph depends on: the causal one and the sequences' runs."""
         self._require_init()
-        runs = self._runs_of(batch)
+        runs = batch.runs()
         if not reserve:
             if batch.apart:
                 raise StateError("recurrent layers cannot verify drafted tokens one by one (batch.apart)")
@@ -360,15 +360,6 @@ class Recurrent:
             self._unhold(state.row)
             for _, row in state.checkpoints:
                 self._unhold(row)
-
-    def _runs_of(self, batch: Batch) -> list[tuple[int, int, int]]:
-        sequences = batch.sequences.tolist()
-        runs, begin = [], 0
-        for i in range(1, len(sequences) + 1):
-            if i == len(sequences) or sequences[i] != sequences[begin]:
-                runs.append((sequences[begin], begin, i - begin))
-                begin = i
-        return runs
 
     def _kind(self, layer: int, kind: int) -> tuple[int, int]:
         sizes = self.state_sizes[layer]
