@@ -213,4 +213,4 @@ def place_embeddings(inputs: Context, batch: Batch, h: Tensor) -> Tensor:
     return h.mul(keep_t).add(inputs.from_numpy(given).set_name("embd_given"))
 
 
-from . import gemma3_vision, llama4_vision, mistral3_vision  # noqa: E402, F401 - the towers: importing one registers it (one line per tower)
+from . import gemma3_vision, llama4_vision, mistral3_vision, qwen25vl_vision  # noqa: E402, F401 - the towers (one line)

@@ -99,26 +99,27 @@ def patch_embedding(kernel: Tensor, bias: Tensor | None, pixels: Tensor, patch: 
     return out.add(bias) if bias is not None else out
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, o: ViTOptions) -> Tensor:
-    """Every position attends to every other, no mask: q, k, v (head_dim, heads, positions) ->
-    (n_embd, positions). flash: ggml's fused kernel on F16 keys and values, as clip_graph::build_attn."""
+def attention(q: Tensor, k: Tensor, v: Tensor, o: ViTOptions, mask: Tensor | None = None) -> Tensor:
+    """Every position attends to every other but where the mask (F32 (positions, positions), 0 or -inf: a
+    window tower's) says not: q, k, v (head_dim, heads, positions) -> (n_embd, positions). flash: ggml's fused
+    kernel on F16 keys, values and mask, as clip_graph::build_attn."""
     scale = 1.0 / math.sqrt(q.ne[0])
     q = q.permute(0, 2, 1, 3)
     if o.flash_attention:
         k = k.permute(0, 2, 1, 3).cast(DType.F16)
         v = v.permute(0, 2, 1, 3).cast(DType.F16)
-        out = q.flash_attention(k, v, None, scale)  # (head_dim, heads, positions)
+        out = q.flash_attention(k, v, mask.cast(DType.F16) if mask is not None else None, scale)
         return out.reshape(out.ne[0] * out.ne[1], out.ne[2])
-    scores = k.permute(0, 2, 1, 3).matmul(q).softmax(None, scale)
+    scores = k.permute(0, 2, 1, 3).matmul(q).softmax(mask, scale)
     out = v.permute(1, 2, 0, 3).contiguous().matmul(scores)  # (head_dim, positions, heads)
     out = out.permute(0, 2, 1, 3)
     return out.contiguous(out.ne[0] * out.ne[1], out.ne[2])
 
 
 def vit_block(layer: ViTLayer, x: Tensor, o: ViTOptions,
-              add_pos: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+              add_pos: Callable[[Tensor], Tensor] | None = None, mask: Tensor | None = None) -> Tensor:
     """x + attention(norm(x)), then that + ffn(norm(that)): clip_graph::build_vit's layer. add_pos turns
-    the queries and keys (head_dim, heads, positions) by their positions (a tower's RoPE)."""
+    the queries and keys (head_dim, heads, positions) by their positions (a tower's RoPE); mask: attention's."""
     positions, head_dim = x.ne[1], o.n_embd // o.n_head
     cur = norm(x, layer.ln1, layer.ln1_b, o)
     q = linear(layer.attn_q, layer.attn_q_b, cur).reshape(head_dim, o.n_head, positions)
@@ -126,7 +127,7 @@ def vit_block(layer: ViTLayer, x: Tensor, o: ViTOptions,
     v = linear(layer.attn_v, layer.attn_v_b, cur).reshape(head_dim, o.n_head, positions)
     if add_pos is not None:
         q, k = add_pos(q), add_pos(k)
-    cur = linear(layer.attn_out, layer.attn_out_b, attention(q, k, v, o))
+    cur = linear(layer.attn_out, layer.attn_out_b, attention(q, k, v, o, mask))
     x = cur.add(x)
     cur = norm(x, layer.ln2, layer.ln2_b, o)
     up = linear(layer.ffn_up, layer.ffn_up_b, cur)

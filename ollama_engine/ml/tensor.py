@@ -286,20 +286,22 @@ class Tensor:
 
     def rope_multi(self, positions: Tensor, dims: int, sections: Sequence[int], base: float,
                    options: RopeOptions = RopeOptions(),  # noqa: B008 - frozen dataclass
-                   interleaved: bool = True) -> Tensor:
+                   interleaved: bool = True, vision: bool = False) -> Tensor:
         """Multimodal RoPE (ggml_rope_multi) of (head_dim, heads, tokens): positions (I32, 4 * tokens) hold
         each token's 4 position components, sections (4) how many rotated pairs each component drives;
         interleaved: the components take turns over the pairs (IMROPE, Qwen3-VL and Qwen3.5), else each
-        drives a run of consecutive pairs (MROPE, Qwen2-VL and Qwen2.5-VL)."""
+        drives a run of consecutive pairs (MROPE, Qwen2-VL and Qwen2.5-VL); vision: ggml's VISION mode, a
+        Qwen2-VL tower's 2-D rotation (dims half the head: each pair i turns with pair i + dims)."""
         if positions.dtype != DType.I32 or positions.ne[0] != 4 * self.ne[2] or len(sections) != 4:
             raise ShapeError(f"rope_multi: positions {positions.shape} and sections {tuple(sections)} for input "
                              f"{self.shape}: 4 positions per token, 4 sections")
-        if dims > self.ne[0] or dims % 2:
+        if dims > self.ne[0] or dims % 2 or (vision and dims * 2 != self.ne[0]):
             raise ShapeError(f"rope_multi: {dims} rotary dims for head size {self.ne[0]}")
+        mode = ops.ROPE_TYPE_VISION if vision else ops.ROPE_TYPE_IMROPE if interleaved else ops.ROPE_TYPE_MROPE
         ctx = self._graph(positions)
         handle = ops.rope_multi(
             ctx.handle, self.handle, positions.handle, ggml.NULL, dims, [int(s) for s in sections],
-            ops.ROPE_TYPE_IMROPE if interleaved else ops.ROPE_TYPE_MROPE, options.original_context, base, 1.0,
+            mode, options.original_context, base, 1.0,
             options.extrapolation_factor, options.attention_factor, options.beta_fast, options.beta_slow,
         )
         return Tensor(ctx, handle)

@@ -25,6 +25,7 @@ from ollama_engine.models.vision import VisionModel
 from ollama_engine.tokenizer import Tokenizer
 
 from .inputs import Input
+from .positions import grid_views
 
 IMAGE_TAG = re.compile(r"\[img-(\d+)\]")
 
@@ -110,12 +111,17 @@ def prompt_inputs(prompt: str, images: Sequence[ImageData], tokenizer: Tokenizer
 
 def image_run(embeddings: np.ndarray, digest: int, batch_size: int | None = None) -> list[Input]:
     """One chunk's inputs: views of at most batch_size rows, each a same-batch group whose first input carries
-    its rows (numpy views: nothing is copied)."""
+    its rows (numpy views: nothing is copied). A chunk shaped (rows, cols, n_embd) is a grid, whose views
+    also carry their rows' multimodal RoPE positions (runner/positions.py)."""
+    grid = embeddings.shape[:2] if embeddings.ndim == 3 else None
+    embeddings = embeddings.reshape(-1, embeddings.shape[-1])
     step = batch_size if batch_size and batch_size > 0 else max(len(embeddings), 1)
+    starts = list(range(0, len(embeddings), step))
+    views = [embeddings[first : first + step] for first in starts]
+    placed = grid_views(*grid, starts, [len(v) for v in views]) if grid is not None else [None] * len(views)
     run: list[Input] = []
-    for first in range(0, len(embeddings), step):
-        view = embeddings[first : first + step]
-        run.append(Input(multimodal=view, multimodal_hash=digest, same_batch=len(view) - 1))
+    for view, positions in zip(views, placed, strict=True):
+        run.append(Input(multimodal=view, multimodal_hash=digest, same_batch=len(view) - 1, positions=positions))
         run += [Input() for _ in range(len(view) - 1)]
     return run
 

@@ -1,5 +1,7 @@
 """One position of a sequence: a token, or multimodal data known by its hash (Ollama's input.Input)."""
 
+from __future__ import annotations
+
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,3 +22,15 @@ class Input:
     # This input and the `same_batch` inputs after it must go into the same forward batch
     # (e.g. all the placeholder tokens of one image).
     same_batch: int = 0
+    # On an image view's first input: its rows' positions, for models with multimodal RoPE.
+    positions: ViewPositions | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ViewPositions:
+    """The position components (time, height, width, spare) of an image view's rows, relative to the text
+    position where its image begins, and how far the text position moves after the view: the image's
+    extent on its last view, 0 on the others (llama.cpp's mtmd_image_tokens_get_n_pos)."""
+
+    offsets: Any  # (rows, 4) int32
+    advance: int

@@ -35,6 +35,7 @@ from ollama_engine.runner.allocate import LoadedModel
 from ollama_engine.runner.draft import ModelDrafter
 from ollama_engine.runner.images import ImageData, ImageStats, batch_embeddings, prompt_inputs
 from ollama_engine.runner.inputs import Input
+from ollama_engine.runner.positions import rope_positions, text_position
 from ollama_engine.runner.prompt_cache import TO_END, ReprocessInputsError
 from ollama_engine.runner.sequence import DoneReason, Piece, Sequence, SequenceOptions, capped_num_predict, fit_prompt
 from ollama_engine.runner.speculate import (
@@ -203,6 +204,8 @@ class Runner:
             resume: int | None = None
             apart: set[int] = set()
             row_cap = self.batch_size  # lowered to spec_rows once the batch holds drafts
+            multimodal_rope = self.model.position_components > 1
+            rope: list[np.ndarray] = []  # each sequence's rows' position components, where the model has several
             count = len(self.seqs)
             for k in range(count):
                 index = (self.next_seq + k) % count
@@ -229,6 +232,7 @@ class Runner:
                     state.drafts[index] = drafts
                 limit = self.batch_size
                 cap = self.cache.chunk_limit(len(slot.inputs) + len(seq.pending_inputs))
+                first_row = len(state.inputs)
                 group_end = -1  # the last input of a same-batch group begun in this batch: never cut before it
                 image_end = -1  # the last input of an image's run: the chunk ends there
                 for i, inp in enumerate(seq.inputs):
@@ -268,6 +272,10 @@ class Runner:
                     if i == image_end:
                         break  # an image is decoded alone, as llama.cpp's mtmd decodes it: its rows see no later text
                 seq.inputs = seq.inputs[len(seq.pending_inputs):]
+                added = len(state.inputs) - first_row
+                if multimodal_rope and added:  # from the text position after the sequence's earlier inputs
+                    start = text_position(slot.inputs, seq.pending_inputs[: len(seq.pending_inputs) - added])
+                    rope.append(rope_positions(start, state.inputs[first_row:]))
             for seq in state.seqs:
                 if seq is not None:
                     seq.mark_started()
@@ -278,7 +286,8 @@ class Runner:
                 return state
             tokens = np.zeros(len(state.inputs), dtype=np.int32)  # filled in when the batch computes
             state.batch = Batch(positions=positions, sequences=sequences, outputs=outputs, tokens=tokens,
-                                apart=frozenset(apart), embeddings=batch_embeddings(state.inputs))
+                                apart=frozenset(apart), embeddings=batch_embeddings(state.inputs),
+                                rope_positions=np.concatenate(rope, axis=1) if rope else None)
             state.graph = self.model.graphs.acquire(state.batch)
             return state
 
