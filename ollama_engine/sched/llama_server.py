@@ -3,11 +3,18 @@
 Blocking parts of the parent side (the fit → alloc → commit loop, waiting for the weights) run in worker
 threads; completions stream over aiohttp so that a client going away closes the runner connection too.
 A thread waits on the process so that a crash is noticed at once, not at the next request.
+
+Every request to one runner goes through one aiohttp session whose connections are kept alive: a ping and a
+completion reuse a connection instead of building a session and connecting for each (Ollama's parent keeps
+its runner connections alive through Go's http.Client too). The session is closed once the runner is gone
+and no request uses it: a stream still reading ends first, by itself, with the runner's error (closing the
+session under it was what hung a first try at this, bench/RESULTS.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -60,6 +67,9 @@ class LlamaServer:
         self._exit_callbacks: list[Callable[[], None]] = []
         self._loop = asyncio.get_running_loop()
         self._closed = False
+        self._session: aiohttp.ClientSession | None = None  # made at the first request, in the event loop
+        self._requests = 0  # requests using the session now
+        self._session_done = False  # the runner is gone: close the session once no request uses it
         threading.Thread(target=self._watch, name=f"runner-{handle.process.pid}", daemon=True).start()
 
     @classmethod
@@ -88,6 +98,7 @@ class LlamaServer:
     def _exited(self) -> None:
         if not self._closed:
             log.debug("runner process exited pid=%d code=%s", self.pid(), self.handle.process.returncode)
+        self._close_session()
         for callback in self._exit_callbacks:
             callback()
 
@@ -107,6 +118,35 @@ class LlamaServer:
         """Kill the runner and reap it."""
         self._closed = True
         self.handle.close()
+        try:
+            self._loop.call_soon_threadsafe(self._close_session)
+        except RuntimeError:  # the event loop is gone (shutdown)
+            pass
+
+    def _close_session(self) -> None:
+        """Close the kept-alive connections once the process is dead and no request uses them: a stream still
+        reading ends by itself (the dead runner's end of the connection is closed), with the runner's error."""
+        self._session_done = True
+        session = self._session
+        if session is not None and not self._requests and not session.closed:
+            self._session = None
+            self._loop.create_task(session.close())
+
+    @contextlib.asynccontextmanager
+    async def _client(self) -> AsyncIterator[aiohttp.ClientSession]:
+        """The runner's session for one request: its connections are kept alive between requests (no limit on
+        their number: each parallel completion holds one while it streams)."""
+        if self.has_exited() or self._closed:
+            raise RunnerFailedError(RUNNER_STOPPED)  # what connecting to it said before
+        if self._session is None:
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        self._requests += 1
+        try:
+            yield self._session
+        finally:
+            self._requests -= 1
+            if self._session_done:
+                self._close_session()
 
     # ------------------------------------------------------------ loading
 
@@ -170,7 +210,7 @@ class LlamaServer:
         """Raise unless the runner answers /health with a healthy status."""
         if self.has_exited():
             raise self._stopped()
-        async with aiohttp.ClientSession() as session, session.get(
+        async with self._client() as session, session.get(
             self._url + "/health", timeout=aiohttp.ClientTimeout(total=10)
         ) as response:
             data = await response.json(content_type=None)
@@ -186,8 +226,8 @@ class LlamaServer:
         body = {"Prompt": prompt, "Options": options, "Shift": True, "Truncate": True, **(extra or {})}
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
         try:
-            async with aiohttp.ClientSession(timeout=timeout) as session, session.post(
-                self._url + "/completion", data=json.dumps(body)
+            async with self._client() as session, session.post(
+                self._url + "/completion", data=json.dumps(body), timeout=timeout
             ) as response:
                 if response.status != 200:
                     raise StatusError(response.status, (await response.text()).strip())
@@ -196,7 +236,7 @@ class LlamaServer:
                         yield json.loads(line)
         except aiohttp.ClientConnectorError as err:
             raise RunnerFailedError(RUNNER_STOPPED) from err
-        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as err:
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as err:  # incl. "Connection closed"
             await asyncio.sleep(0.05)  # let the exit be noticed, so the message says why
             reason = self.exit_reason() if self.has_exited() else str(err)
             raise RunnerFailedError(f"an error was encountered while running the model: {reason}") from err
@@ -212,8 +252,8 @@ class LlamaServer:
     async def _pooled(self, route: str, payload: dict[str, Any]) -> dict[str, Any]:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
         try:
-            async with aiohttp.ClientSession(timeout=timeout) as session, session.post(
-                self._url + route, data=json.dumps(payload)
+            async with self._client() as session, session.post(
+                self._url + route, data=json.dumps(payload), timeout=timeout
             ) as response:
                 if response.status != 200:
                     raise StatusError(response.status, (await response.text()).strip())
@@ -221,7 +261,7 @@ class LlamaServer:
                 return result
         except aiohttp.ClientConnectorError as err:
             raise RunnerFailedError(RUNNER_STOPPED) from err
-        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as err:
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as err:  # incl. "Connection closed"
             await asyncio.sleep(0.05)
             reason = self.exit_reason() if self.has_exited() else str(err)
             raise RunnerFailedError(f"an error was encountered while running the model: {reason}") from err
