@@ -17,7 +17,10 @@ Measures, with `--slots` (4) sequences sharing each server's model:
     (serve's /api/chat: the template, the scheduler and the runner's prompt cache).
 
 The synthetic models have random weights, so a stream may stop early at an end-of-generation token: the
-counts are the tokens each server reports having generated. Results print as JSON (and go to --out).
+counts are the tokens each server reports having generated. On a negligible-compute model (stories260K) run
+each stream count as its own command: once several streams have decoded together their KV cells interleave,
+and a later single stream's graph spans every slot's cells (bench/RESULTS.md, issue 33), which measures
+attention, not the host. Results print as JSON (and go to --out).
 
 Both servers get the same settings: threads (--threads, also for llama-server's prompt batches), slots,
 context per slot, batch 512, f16 KV cache and flash attention (--flash-attention: llama-server's default
