@@ -283,3 +283,42 @@ def test_runner_answers_about_an_image_as_llama_cpp(runner, files):
     assert again == text and second["image_encode_count"] == 0
     fit, alloc, commit = (load["Memory"] for load in runner.loads)
     assert fit == alloc == commit
+
+
+# ------------------------------------------------------------ through a real serve with the official clients
+
+
+def test_official_clients_get_answers_about_an_image(files, tmp_path):
+    """ollama's generate/chat with images and openai's image_url data URL on the single file; the same model
+    made of the text GGUF and the mmproj (Ollama's files map: a projector layer) gives the same greedy answer;
+    `vision` in capabilities."""
+    import base64
+
+    import ollama
+    import openai
+    from serve_process import serve_process
+
+    image = png_bytes(smooth_image(50, 37, seed=1))
+    greedy = {"temperature": 0, "num_predict": 6}
+    (tmp_path / "models").mkdir()
+    with serve_process(tmp_path / "models") as url:
+        client = ollama.Client(host=url)
+        single = files["single-F32"]
+        assert client.create(model="single", files={single.name: client.create_blob(single)}).status == "success"
+        split = {path.name: client.create_blob(path) for path in (files["text"], files["mmproj-F32"])}
+        assert client.create(model="split", files=split).status == "success"
+        answers = []
+        for name in ("single", "split"):
+            assert "vision" in client.show(name).capabilities
+            generated = client.generate(model=name, prompt="What is this?", images=[image], options=greedy)
+            assert generated.done and generated.response and generated.prompt_eval_count > 34  # 34 image rows
+            answers.append(generated.response)
+        assert answers[0] == answers[1]
+        chat = client.chat(model="single", messages=[{"role": "user", "content": "What is this?", "images": [image]}],
+                           options=greedy)
+        assert chat.done and chat.message.content and chat.prompt_eval_count > 34
+        data_url = "data:image/png;base64," + base64.b64encode(image).decode()
+        answer = openai.OpenAI(base_url=f"{url}/v1", api_key="unused").chat.completions.create(
+            model="single", max_tokens=6, temperature=0, messages=[{"role": "user", "content": [
+                {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": data_url}}]}])
+        assert answer.choices[0].message.content and answer.usage.prompt_tokens > 34
