@@ -113,8 +113,9 @@ class BytePairSegmenter:
 
     The BPE model (a 128k vocabulary's 280k merges: ~0.35 s of GIL-holding work) is built at the first
     encode or by `prepare()`, not here: a runner reports ready when its weights are in and builds it right
-    after, so loading a model does not wait for it (a request that comes first waits). Everything that can
-    be wrong with the vocabulary is checked here, before that.
+    after, so loading a model does not wait for it (a request that comes first waits). The vocabulary and its
+    pre-tokenizer are checked here, at load; the build itself leaves out merges tokenizers refuses
+    (`_bpe_model`), so it has nothing left to fail on.
     """
 
     def __init__(self, vocab: Vocabulary) -> None:
