@@ -229,8 +229,9 @@ def test_prompt_with_images_matches_mtmd(files, names, layout):
 # ------------------------------------------------------------ through the runner subprocess (Ollama's wire)
 
 
-@pytest.fixture(scope="module")
-def runner(files):
+@pytest.fixture(scope="module", params=[512, 16], ids=["batch-512", "batch-16"])
+def runner(files, request):
+    """A runner on the single file; at num_batch 16 the image's 34 rows are decoded as views of 16, 16 and 2."""
     from test_runner_e2e import LOAD, Client, free_port, start_runner
 
     port = free_port()
@@ -240,10 +241,11 @@ def runner(files):
         client.loads = []
         for operation in (0, 1, 2):  # fit, alloc, commit
             client.loads.append(client.json("POST", "/load", {**LOAD, "Operation": operation, "Parallel": 1,
-                                                              "KvSize": 1024, "BatchSize": 512}))
+                                                              "KvSize": 1024, "BatchSize": request.param}))
             assert client.loads[-1]["Success"]
         while client.json("GET", "/health")["status"] != 0:
             pass
+        client.batch_size = request.param
         yield client
     finally:
         proc.kill()
@@ -253,7 +255,8 @@ def runner(files):
 @pytest.mark.reference
 def test_runner_answers_about_an_image_as_llama_cpp(runner, files):
     """Ollama's /completion with [img-0] and ImageData on the single file: llama.cpp's greedy answer (mtmd on
-    the mmproj), the image encoded once (a second request takes it from the cache), fit == alloc == commit."""
+    the mmproj, the same n_batch), the image encoded once (a second request takes it from the cache), fit ==
+    alloc == commit."""
     import base64
 
     from vision_reference import MtmdReference
@@ -261,7 +264,8 @@ def test_runner_answers_about_an_image_as_llama_cpp(runner, files):
     from ollama_engine.tokenizer import from_metadata
 
     image = IMAGES["png-wide"]()
-    reference = MtmdReference(files["text"], files["mmproj-F32"], threads=THREADS, n_ctx=1024, n_batch=512)
+    reference = MtmdReference(files["text"], files["mmproj-F32"], threads=THREADS, n_ctx=1024,
+                              n_batch=runner.batch_size)
     try:
         warm(reference, [image])
         marker = reference.mtmd.mtmd_default_marker().decode()
