@@ -24,6 +24,9 @@ from test_vision import png_bytes, smooth_image
 
 from ollama_engine.fs.gguf_file import GGUFFile
 from ollama_engine.runner.images import image_run
+from ollama_engine.runner.inputs import Input, kept_together
+from ollama_engine.runner.prompt_cache import InputCache
+from ollama_engine.runner.sequence import fit_prompt
 from ollama_engine.tokenizer import from_metadata
 
 SPEC_256 = VisionSpec(image_size=64, patch_size=2, merge=2)  # 32 patches a side pooled by 2: 16 x 16 = 256 rows
@@ -43,6 +46,39 @@ def test_a_run_is_cut_into_views_of_a_batch():
     assert np.array_equal(np.concatenate([inp.multimodal for _, inp in heads]), rows)
     assert [len(inp.multimodal) for inp in image_run(rows, 7, None) if inp.multimodal is not None] == [256]
     assert [len(inp.multimodal) for inp in image_run(rows, 7, 256) if inp.multimodal is not None] == [256]
+
+
+def viewed_prompt(length: int, start: int = 2, rows: int = 16, batch: int = 10) -> tuple[list[Input], list[Input]]:
+    """length inputs: text, and at `start` an image of `rows` rows cut into views of `batch` (10 + 6), then a
+    second run of the same image right after it (as Llama 4's next tile): the prompt and the image's inputs."""
+    embeddings = np.zeros((rows, 4), dtype=np.float32)
+    image = image_run(embeddings, 7, batch) + image_run(embeddings, 7, batch)
+    inputs = [Input(token=100 + i) for i in range(start)] + image
+    inputs += [Input(token=200 + i) for i in range(length - len(inputs))]
+    return inputs, image
+
+
+def test_an_image_in_views_stays_whole_through_truncation_and_shifts():
+    """Views (and further tiles) of one image are separate same-batch groups, yet kept together: a num_keep that
+    ends inside any of them ends before the image; truncation and a shift's discard take all its rows or none."""
+    inputs, image = viewed_prompt(40)
+    assert [kept_together(inputs, i) for i in (2, 12, 18, 28, 34)] == [31, 21, 15, 5, 0]
+    for keep in range(3, 34):
+        assert fit_prompt(inputs, 48, keep, truncate=True)[1] == 2, keep
+    assert fit_prompt(inputs, 48, 34, truncate=True)[1] == 34
+    rows = {id(inp) for inp in image}
+    for length in range(49, 49 + 40):
+        inputs, image = viewed_prompt(length)
+        rows = {id(inp) for inp in image}
+        kept, keep = fit_prompt(inputs, 48, 2, truncate=True)
+        present = [i for i, inp in enumerate(kept) if id(inp) in rows]
+        assert keep == 2 and len(kept) <= 48 and present in ([], list(range(2, 34))), length
+    cache = InputCache(None, 48, 1, 1, multi_user=False, remove_errors=ValueError)
+    inputs, _ = viewed_prompt(48)
+    for keep in (0, 1, 2):  # the discard reaches into the image: it takes it all (up to 34 from 0..2 kept)
+        assert cache.shift_discard(inputs, keep) == 34 - keep
+    other = image_run(np.zeros((16, 4), dtype=np.float32), 8, 10)  # another image right after: not kept with it
+    assert kept_together(image + other, 0) == 31
 
 
 @pytest.fixture(scope="module")

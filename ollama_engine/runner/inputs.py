@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,3 +35,16 @@ class ViewPositions:
 
     offsets: Any  # (rows, 4) int32
     advance: int
+
+
+def kept_together(inputs: Sequence[Input], i: int) -> int:
+    """How many inputs after inputs[i] must stay in the context with it (0: none): its same-batch group, and
+    for an image the runs that continue it, each first input carrying the same image's embeddings (its views
+    when it is longer than a batch, Llama 4's further tiles). Truncation and shifts keep them whole."""
+    head = inputs[i]
+    end = i + head.same_batch
+    if head.multimodal is not None and head.multimodal_hash:
+        while (end + 1 < len(inputs) and inputs[end + 1].multimodal is not None
+               and inputs[end + 1].multimodal_hash == head.multimodal_hash):
+            end += 1 + inputs[end + 1].same_batch
+    return end - i

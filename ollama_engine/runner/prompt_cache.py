@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ollama_engine.runner.exact import resume_point, row_kernels
-from ollama_engine.runner.inputs import Input
+from ollama_engine.runner.inputs import Input, kept_together
 
 log = logging.getLogger(__name__)
 
@@ -235,21 +235,22 @@ class InputCache:
     def shift_discard(self, inputs: Sequence[Input], num_keep: int) -> int:
         """How many inputs after the first num_keep to drop so that about half the free context is free.
 
-        A same-batch group (e.g. an image) is dropped whole or not at all, since part of one cannot be
-        evaluated again on its own.
+        A same-batch group (e.g. an image, with all its views: kept_together) is dropped whole or not at all,
+        since part of one cannot be evaluated again on its own.
         """
         target_free = max((self.num_ctx - num_keep) // 2, 1)
         current_free = self.num_ctx - len(inputs)
         discard = 0
         group_left = 0  # inputs of the current same-batch group still to drop
-        for inp in inputs[num_keep:]:
+        for i in range(num_keep, len(inputs)):
             if group_left <= 0 and current_free >= target_free:
                 break
             group_left -= 1
             current_free += 1
             discard += 1
-            if inp.same_batch > 0:
-                group_left = inp.same_batch
+            span = kept_together(inputs, i)
+            if span > 0:
+                group_left = span
         return discard
 
     def shift_slot(self, slot: InputCacheSlot, num_keep: int) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 from ollama_engine.runner.images import ImageStats
-from ollama_engine.runner.inputs import Input
+from ollama_engine.runner.inputs import Input, kept_together
 from ollama_engine.runner.prompt_cache import InputCacheSlot
 from ollama_engine.runner.speculate import Speculator
 from ollama_engine.runner.text import PendingOutput
@@ -137,25 +137,27 @@ def fit_prompt(inputs: list[Input], num_ctx: int, num_keep: int, truncate: bool)
 
     prompt_start = num_keep + len(inputs) - num_ctx
     group_left = 0
-    for i, inp in enumerate(inputs):
+    for i in range(len(inputs)):
         if group_left > 0:
             group_left -= 1
             if prompt_start == i:
                 prompt_start += 1  # never start inside a group
         elif prompt_start == i:
             break
-        if inp.same_batch:
+        span = kept_together(inputs, i)
+        if span:
             if i < num_keep:
                 raise ValueError(f"SameBatch may not be specified within numKeep (index: {i} numKeep: {num_keep})")
-            group_left = inp.same_batch
+            group_left = span
     if prompt_start >= len(inputs):
         raise ValueError("entire prompt removed by truncation")
     return inputs[:num_keep] + inputs[prompt_start:], num_keep
 
 
 def group_boundary(inputs: list[Input], num_keep: int) -> int:
-    """num_keep, or the start of the same-batch group it would end inside of."""
-    for i, inp in enumerate(inputs[:num_keep]):
-        if inp.same_batch and i + inp.same_batch >= num_keep:
+    """num_keep, or the start of the same-batch group (or image: kept_together) it would end inside of."""
+    for i in range(min(num_keep, len(inputs))):
+        span = kept_together(inputs, i)
+        if span and i + span >= num_keep:
             return i
     return num_keep
