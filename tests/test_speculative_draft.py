@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from synthetic.draft import write_draft
 from test_speculative import COPY, JSON_PROMPT, OTHERS, CheapRows, Run
@@ -23,6 +24,7 @@ from ollama_engine.runner.loop import Runner
 from ollama_engine.sample import Sampler
 from ollama_engine.sample.grammar_text import GRAMMAR_JSON
 
+TEXT_TO_COPY = COPY.split("exactly:\n")[1].split("<|im_end|>")[0]
 CHAT = "<|im_start|>user\nTell me a short story about a cat who learns to swim.<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -189,3 +191,55 @@ def test_the_draft_model_serves_requests_one_after_another(drafted, plain):
     assert second.logprobs == Run(plain, CHAT.replace("swim", "fly"), False, num_predict=30).logprobs
     assert_drafted(first, second)
 
+
+
+# ---------------------------------------------------------------- through serve
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, smollm2_path: Path, draft_path: Path):
+    """serve with two models of the same weights: `smollm2` plain and `smollm2-draft` with the draft layer. The
+    official client uploads the blobs; its create has no draft_files (ollama 0.6), so that request is plain HTTP."""
+    import ollama
+    from serve_process import serve_process
+
+    with serve_process(tmp_path_factory.mktemp("draft-serve") / "models") as url:
+        client = ollama.Client(host=url)
+        files = {"smollm2.gguf": client.create_blob(smollm2_path)}
+        client.create(model="smollm2", files=files)
+        body = {"model": "smollm2-draft", "files": files, "stream": False,
+                "draft_files": {"draft.gguf": client.create_blob(draft_path)}}
+        response = httpx.post(url + "/api/create", json=body, timeout=300)
+        assert response.status_code == 200, response.text
+        yield url
+
+
+def test_create_with_draft_files_stores_a_draft_layer(server: str):
+    import ollama
+
+    client = ollama.Client(host=server)
+    shown = client.show("smollm2-draft")
+    assert "\nDRAFT " in shown.modelfile and "\nDRAFT " not in client.show("smollm2").modelfile
+    bad = httpx.post(server + "/api/create", json={"model": "x", "files": {"a.gguf": "sha256:" + "0" * 64},
+                                                   "draft_quantize": "q4_0", "stream": False}, timeout=60)
+    assert bad.status_code == 400 and "draft_quantize" in bad.text
+
+
+def test_chat_through_serve_drafts_and_equals_plain(server: str):
+    """The official client's chat with draft_num_predict: the same message and logprobs as the plain model; the
+    final response carries draft_n / draft_n_accepted (ours, llama.cpp's names) showing drafts were kept."""
+    import ollama
+
+    client = ollama.Client(host=server)
+    messages = [{"role": "user", "content": "Copy this text exactly: " + TEXT_TO_COPY}]
+    options = {"temperature": 0, "num_predict": 48, "draft_num_predict": 6}
+    plain = client.chat(model="smollm2", messages=messages, options=options, logprobs=True)
+    spec = client.chat(model="smollm2-draft", messages=messages, options=options, logprobs=True)
+    assert spec.message.content == plain.message.content
+    assert [(x.token, x.logprob) for x in spec.logprobs] == [(x.token, x.logprob) for x in plain.logprobs]
+    raw = httpx.post(server + "/api/chat", json={"model": "smollm2-draft", "messages": messages, "options": options,
+                                                  "stream": False}, timeout=300).json()
+    assert raw["draft_n"] > 0 and 0 < raw["draft_n_accepted"] <= raw["draft_n"], raw
+    assert "draft_n" not in httpx.post(server + "/api/chat", json={"model": "smollm2", "messages": messages,
+                                                                    "options": options, "stream": False},
+                                       timeout=300).json()

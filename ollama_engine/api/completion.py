@@ -104,8 +104,9 @@ async def runner_chunks(scheduler: Scheduler, job: Job) -> Chunks:
 
 
 def metrics(job: Job, final: Mapping[str, Any]) -> dict[str, Any]:
-    """done_reason and the durations (nanoseconds) of a final chunk."""
-    return {
+    """done_reason and the durations (nanoseconds) of a final chunk; with speculative decoding also ours,
+    llama.cpp's timings names: draft_n (tokens drafted) and draft_n_accepted."""
+    out = {
         "done_reason": DONE_REASONS.get(final.get("done_reason", 0), "stop"),
         "total_duration": round((time.monotonic() - job.start) * 1e9),
         "load_duration": round(job.load_duration * 1e9),
@@ -113,6 +114,9 @@ def metrics(job: Job, final: Mapping[str, Any]) -> dict[str, Any]:
         "prompt_eval_duration": final.get("prompt_eval_duration", 0),
         "eval_count": final.get("eval_count", 0), "eval_duration": final.get("eval_duration", 0),
     }
+    if "draft_n" in final:
+        out["draft_n"], out["draft_n_accepted"] = final["draft_n"], final.get("draft_n_accepted", 0)
+    return out
 
 
 async def collected(chunks: Chunks, collect: Callable[[list[dict[str, Any]]], dict[str, Any]]) -> dict[str, Any]:
