@@ -379,6 +379,8 @@ def add_plan_command(subparsers: argparse._SubParsersAction) -> None:
                       help="a simulated GPU, e.g. CUDA:GPU-0:8GiB (repeatable); default: the GPUs present")
     plan.add_argument("--projector", default="", metavar="MMPROJ",
                       help="a vision projector in its own GGUF (llama.cpp's mmproj), loaded beside the model")
+    plan.add_argument("--draft", default="", metavar="GGUF",
+                      help="a draft model for speculative decoding, counted with the output layer on the CPU")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.add_argument("--svg", metavar="FILE", help="also write the memory per device and layer as an SVG picture")
     plan.set_defaults(run=run_plan)
@@ -396,7 +398,7 @@ def run_plan(args: argparse.Namespace) -> int:
     options = LoadOptions(num_ctx=args.ctx, parallel=args.parallel, batch_size=args.batch, num_gpu=args.num_gpu,
                           flash_attention=flash, kv_cache_type=args.kv_type, flash_attention_reason=flash_why,
                           kv_cache_type_k=args.kv_type_k, kv_cache_type_v=args.kv_type_v,
-                          projector_path=args.projector)
+                          projector_path=args.projector, draft_path=args.draft)
     plan = make_plan(args.model, options, gpus, bool(simulated), system_info())
     if args.svg:
         title = f"{args.model}: {plan.layout.sum()} of {plan.total_layers} layers on GPUs" + (
