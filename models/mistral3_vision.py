@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ollama_engine.image import DecodedImage, Filter, PixelSpec, fit_box, size_preserved_ratio, to_planar
+from ollama_engine.image import DecodedImage, Filter, ImageError, PixelSpec, fit_box, size_preserved_ratio, to_planar
 from ollama_engine.ml import Backend, Context, DType, Tensor
 
 from .base import ModelError, bind, weight
@@ -118,9 +118,16 @@ class PixtralVision(VisionModel):
         return self.w.mm_2.ne[1]
 
     def size(self, image: DecodedImage) -> tuple[int, int]:
-        """The (width, height) the image is resized to (clip.cpp's dyn_size preprocessing)."""
+        """The (width, height) the image is resized to (clip.cpp's dyn_size preprocessing). An image so narrow
+        that its short side stays at one grid cell while the long one is scaled for the pixel budget ends up
+        above the budget (llama.cpp encodes it so); its graph would outgrow the one reserved at load, so it is
+        refused instead."""
         height, width = image.pixels.shape[:2]
-        return size_preserved_ratio(width, height, self.patch_size * self.merge, self.min_pixels, self.max_pixels)
+        size = size_preserved_ratio(width, height, self.patch_size * self.merge, self.min_pixels, self.max_pixels)
+        if size[0] * size[1] > self.max_pixels:
+            raise ImageError(f"image of {width}x{height} is too narrow for this model: its aspect ratio would need "
+                             f"{size[0]}x{size[1]} pixels, more than {self.max_pixels}")
+        return size
 
     def tokens(self, image: DecodedImage) -> int:
         width, height = self.size(image)

@@ -78,6 +78,24 @@ def test_both_layouts_load_as_the_pixtral_tower(files):
             tower.close()
 
 
+def test_a_too_narrow_image_is_an_image_error(files):
+    """10000 x 2 pixels: dyn_size keeps the short side at one cell and scales the long one for the budget, which
+    leaves 18096 x 8, above it (llama.cpp would encode 9048 patches, more than the graph reserved at load):
+    an ImageError (the runner's 400) before any graph is built."""
+    from ollama_engine.image import ImageError
+
+    tower = load_vision(files["single-F32"], allocate=False)
+    try:
+        image = decode_image(png_bytes(smooth_image(10000, 2)))
+        with pytest.raises(ImageError, match="too narrow"):
+            tower.tokens(image)
+        with pytest.raises(ImageError, match="too narrow"):
+            tower.pixels(image)
+        assert tower.tokens(decode_image(png_bytes(smooth_image(4000, 5)))) > 0  # long but within the budget
+    finally:
+        tower.close()
+
+
 @pytest.mark.reference
 def test_image_sizes_and_token_counts_are_mtmds(files):
     """mtmd's image chunk of each size has as many tokens as our tower gives it (dyn_size's target size:
