@@ -64,6 +64,7 @@ class Weights:
 @register("lfm2")
 class Lfm2(Model):
     reuse_graphs = True
+    tensor_groups = Model.tensor_groups.extended(outputs=("token_embd_norm",))  # LLM_TENSOR_OUTPUT_NORM_LFM2
     rope_options = RopeOptions(neox=True)
 
     def __init__(self, backend: Backend, tokenizer: Tokenizer | None):
