@@ -83,6 +83,8 @@ class VisionModel:
             raise ModelError(f"{backend.model.path}: vision image_mean/image_std need 3 values, std positive")
         self.pixel_spec = PixelSpec(tuple(mean[:3]), tuple(std[:3]))  # type: ignore[arg-type]
         self._graph: tuple[Context, Tensor, Tensor] | None = None
+        self.compute_backend = backend
+        """Whose scheduler computes the image graphs: the text model's where the runner shares it (compute_with)."""
 
     # ------------------------------------------------------------ what subclasses provide
 
@@ -130,16 +132,29 @@ class VisionModel:
         if self._graph is not None:
             self._graph[0].close()
             self._graph = None
-        ctx = self.backend.new_context()
+        ctx = self.compute_backend.new_context(self.backend.max_graph_nodes)
         inp = ctx.input().zeros(DType.F32, *reversed(shape)).set_name("inp_raw")
         out = self.build(ctx, inp)
         self._graph = (ctx, inp, out)
         return self._graph
 
-    def close(self) -> None:
+    def compute_with(self, backend: Backend) -> bool:
+        """Compute the image graphs on `backend`'s scheduler (the text model's), so that one compute buffer per
+        device serves the text and the image graph, the larger of the two, as in Ollama's engine (llama.cpp's mtmd
+        keeps a buffer of its own). Not where its graphs could outgrow that scheduler's; returns whether it does."""
+        if backend.max_graph_nodes < self.backend.max_graph_nodes:
+            return False
+        self.close_graph()
+        self.compute_backend = backend
+        return True
+
+    def close_graph(self) -> None:
         if self._graph is not None:
             self._graph[0].close()
             self._graph = None
+
+    def close(self) -> None:
+        self.close_graph()
         self.backend.close()
 
 

@@ -18,6 +18,7 @@ from ollama_engine.llm.load import LoadOptions
 from ollama_engine.llm.plan import make_plan, plan_text
 from ollama_engine.ml import BackendMemory, DeviceID, GPULayers
 from ollama_engine.ml.memory import GIB, DeviceMemory, SystemInfo
+from ollama_engine.models.vision import load_vision
 from ollama_engine.runner.allocate import LoadParams, open_model
 from ollama_engine.runner.tower_memory import output_device, with_tower
 
@@ -50,6 +51,8 @@ def test_the_tower_has_rows_of_its_own_and_fit_equals_alloc(files, layout: str):
     try:
         fitted = fit.memory.to_json()
         text, tower = fit.model.backend.memory, fit.images.tower.backend.memory
+        image_graph = fit.image_graph
+        assert fit.images.tower.compute_backend is fit.model.backend  # one compute buffer for both graphs
     finally:
         fit.close()
     alloc = opened(files, layout, allocate=True)
@@ -58,8 +61,10 @@ def test_the_tower_has_rows_of_its_own_and_fit_equals_alloc(files, layout: str):
         allocated = alloc.memory
         assert allocated.cpu.vision_weights == tower.input_weights + sum(tower.cpu.weights) > 0
         assert allocated.cpu.weights[-1] == text.cpu.weights[-1] + allocated.cpu.vision_weights
-        assert allocated.cpu.vision_graph == tower.cpu.graph > 0
-        assert allocated.cpu.graph == max(text.cpu.graph, tower.cpu.graph)
+        assert tower.cpu.graph == 0  # the image graph has no buffer of its own: it shares the text model's
+        text_only = reserved_text_graph(files, layout)
+        assert allocated.cpu.vision_graph == image_graph[allocated.cpu.device_id] > 0
+        assert allocated.cpu.graph == text.cpu.graph == max(text_only, allocated.cpu.vision_graph)
         assert fitted["CPU"]["VisionWeights"] == allocated.cpu.vision_weights
         assert "VisionWeights" not in BackendMemory.from_json(alloc.model.backend.memory.to_json()).cpu.to_json()
         rows = {(what, device): size for what, device, size in allocated.summary()}
@@ -68,6 +73,44 @@ def test_the_tower_has_rows_of_its_own_and_fit_equals_alloc(files, layout: str):
         assert rows[("total memory", "")] == allocated.input_weights + allocated.cpu.size()
     finally:
         alloc.close()
+
+
+def reserved_text_graph(files: dict[str, Path], layout: str) -> int:
+    """The CPU graph of the text model alone (no tower), with the same settings."""
+    text = open_model(str(files["text"]), LoadParams(batch_size=32, kv_size=256, num_threads=2, flash_attention=1),
+                      allocate=False)
+    try:
+        assert text.images is None
+        return text.memory.cpu.graph
+    finally:
+        text.close()
+
+
+def test_encoding_after_alloc_needs_no_new_memory(files):
+    """The worst case was reserved at load: encoding an image and answering about it allocates nothing more."""
+    import numpy as np
+    from test_vision import png_bytes, smooth_image
+
+    from ollama_engine.image import decode_image
+
+    loaded = opened(files, "single", allocate=True)
+    try:
+        loaded.load()
+        before = loaded.memory.to_json()
+        sizes = loaded.model.backend.scheduler.buffer_sizes()  # the compute buffers as reserved at load
+        out = loaded.images.tower.encode(decode_image(png_bytes(smooth_image(90, 33, seed=3))))
+        assert out.shape == (16, 64) and np.isfinite(out).all()
+        alone = load_vision(files["single"], num_threads=2, flash_attention=True)  # on a scheduler of its own
+        try:
+            alone.backend.load()
+            assert np.array_equal(alone.encode(decode_image(png_bytes(smooth_image(90, 33, seed=3)))), out)
+        finally:
+            alone.close()
+        assert loaded.memory.to_json() == before
+        assert loaded.model.backend.scheduler.buffer_sizes() == sizes
+        assert sizes[-1] == before["CPU"]["Graph"]  # and the report says what they are
+    finally:
+        loaded.close()
 
 
 def test_both_layouts_cost_the_same(files):
@@ -102,11 +145,13 @@ def test_with_tower_charges_the_device_the_tower_is_on():
                          gpus=[DeviceMemory(GPU, "CUDA0", [0, 3, 4], [0, 6, 6], graph=70)])
     tower = BackendMemory(cpu=DeviceMemory(weights=[0], cache=[0], graph=0),
                           gpus=[DeviceMemory(GPU, "CUDA0", [11], [0], graph=90)])
-    combined = with_tower(text, tower)
+    combined = with_tower(text, tower, {GPU: 90}, shared=True)
     assert combined.cpu == text.cpu and combined.cpu.vision_weights == 0
     assert combined.gpus[0].weights == [0, 3, 15] and combined.gpus[0].graph == 90
     assert (combined.gpus[0].vision_weights, combined.gpus[0].vision_graph) == (11, 90)
     assert text.gpus[0].weights == [0, 3, 4]  # the text model's own report is not changed
+    apart = with_tower(text, tower, {GPU: 90}, shared=False)  # buffers of its own: added, not the larger
+    assert apart.gpus[0].graph == 70 + 90 and apart.gpus[0].vision_graph == 90
 
 
 def plan(model: Path, free: int | None, **options):

@@ -33,7 +33,7 @@ from ollama_engine.ggml import backend as ggml_backend
 from ollama_engine.ggml.backend import TensorCapture
 
 from .device import Device, cpu_device, default_threads, gpu_devices
-from .memory import BackendMemory, DeviceMemory, GPULayers, NoMemory
+from .memory import BackendMemory, DeviceID, DeviceMemory, GPULayers, NoMemory
 from .tensor import Tensor
 
 log = logging.getLogger(__name__)
@@ -137,6 +137,7 @@ class Backend:
         self.scheduler: ggml_backend.Scheduler | None = None
         self.compute_lock = threading.Lock()
         self.allocated_graph = None  # the graph the scheduler's compute buffers are laid out for
+        self._reserving: dict[DeviceID, int] | None = None  # what reserve() records inside reserving()
         self.compute_seconds = 0.0  # time spent inside ggml's graph compute, for profiling
         self.last_compute = 0.0  # time.monotonic() when the last graph compute ended
         if allocate:
@@ -361,10 +362,22 @@ class Backend:
         for device, size in zip(self.compute_devices, sizes, strict=True):
             report = self._report(device)
             report.graph = max(report.graph, size)
+            if self._reserving is not None:
+                self._reserving[report.device_id] = max(self._reserving.get(report.device_id, 0), size)
         if self.allocate:
             over = not all(self._within_limit(d) for d in self.compute_devices)
             if over or not self.scheduler.reserve(graph):
                 raise NoMemory(self.memory)
+
+    @contextlib.contextmanager
+    def reserving(self) -> Iterator[dict[DeviceID, int]]:
+        """What the graphs reserved inside the block need per device, the largest of them: a vision tower's image
+        graph shares the text model's compute buffers, and its own size is reported beside them."""
+        self._reserving = needs = {}
+        try:
+            yield needs
+        finally:
+            self._reserving = None
 
     @contextlib.contextmanager
     def time_ops(self) -> Iterator[dict[str, float]]:

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ollama_engine import envconfig
 from ollama_engine.kvcache import Batch, ShiftError, cache_dtype
-from ollama_engine.ml import BackendMemory, Context, GPULayers, gpu_devices
+from ollama_engine.ml import BackendMemory, Context, DeviceID, GPULayers, gpu_devices
 from ollama_engine.ml.memory import FlashAttention
 from ollama_engine.models import Model, load_model
 from ollama_engine.models.vision import load_vision
@@ -57,25 +57,29 @@ class LoadedModel:
     """A model with its caches sized for serving; `memory` is what its backend reports."""
 
     def __init__(self, model: Model, input_cache: InputCache, parallel: int, batch_size: int,
-                 images: ImageEncoder | None = None, draft: DraftModel | None = None):
+                 images: ImageEncoder | None = None, draft: DraftModel | None = None,
+                 image_graph: Mapping[DeviceID, int] | None = None):
         self.model = model
         self.input_cache = input_cache
         self.parallel = parallel
         self.batch_size = batch_size
         self.images = images  # the vision tower beside the model, if its file has one
         self.draft = draft  # the draft model for speculative decoding, if the load asked for one
+        self.image_graph = dict(image_graph or {})  # what the tower's worst-case image graph needs, per device
 
     @property
     def memory(self) -> BackendMemory:
-        """The model's report, with its vision tower as Ollama's Go engine counted one: the tower's weights with
-        the output layer, and per device the larger of the text and the image graph."""
+        """The model's report, with its vision tower as Ollama's Go engine counted one (runner/tower_memory.py): the
+        tower's weights with the output layer, and per device the larger of the text and the image graph."""
         memory = self.model.backend.memory
         if self.images is None and self.draft is None:
             return memory
         combined = dataclasses.replace(memory, cpu=dataclasses.replace(
             memory.cpu, weights=list(memory.cpu.weights), cache=list(memory.cpu.cache)))
         if self.images is not None:
-            combined = with_tower(combined, self.images.tower.backend.memory)
+            tower = self.images.tower
+            combined = with_tower(combined, tower.backend.memory, self.image_graph,
+                                  shared=tower.compute_backend is self.model.backend)
         if self.draft is not None:  # on the CPU, with the output layer; its graphs are buffers of their own
             draft = self.draft.model.backend.memory
             combined.cpu.weights[-1] += draft.input_weights + sum(draft.cpu.weights)
@@ -92,9 +96,9 @@ class LoadedModel:
             self.draft.model.backend.load()
 
     def close(self) -> None:
-        self.model.close()
-        if self.images is not None:
+        if self.images is not None:  # first: its image graph may live on the model's backend
             self.images.tower.close()
+        self.model.close()
         if self.draft is not None:
             self.draft.close()
 
@@ -142,7 +146,8 @@ def open_model(path: str, params: LoadParams, allocate: bool) -> LoadedModel:
     except BaseException:
         model.close()
         raise
-    try:  # the image graph is separate from the text graph: its own backend, reserved in its worst case
+    tower = None
+    try:  # the image graph is separate from the text graph, reserved in its worst case in the same buffers
         source = params.projector_path or path
         tower = load_vision(source, allocate=allocate, num_threads=params.num_threads or None,
                             flash_attention=_flash_attention(params),
@@ -150,21 +155,26 @@ def open_model(path: str, params: LoadParams, allocate: bool) -> LoadedModel:
                             device=output_device(params.gpu_layers, model.backend.block_count))
         if tower is None and params.projector_path:
             raise ValueError(f"{params.projector_path}: not a vision projector")
+        image_graph: dict[DeviceID, int] = {}
         if tower is not None:
-            tower.reserve()
+            tower.compute_with(model.backend)
+            with tower.compute_backend.reserving() as image_graph:
+                tower.reserve()
     except BaseException:
+        if tower is not None:
+            tower.close()
         model.close()
         raise
     try:
         draft = open_draft(model, params, parallel, input_cache.num_ctx, batch_size, allocate) \
             if params.draft_path else None
     except BaseException:
-        model.close()
         if tower is not None:
             tower.close()
+        model.close()
         raise
     return LoadedModel(model, input_cache, parallel, batch_size, ImageEncoder(tower) if tower is not None else None,
-                       draft)
+                       draft, image_graph)
 
 
 def open_draft(target: Model, params: LoadParams, parallel: int, num_ctx: int, batch_size: int,

@@ -4,36 +4,45 @@ Ollama's Go engine placed a tower's tensors with the output layer (ml/backend/gg
 layer's buffer type) and reserved the image graph in the same scheduler as the text graph, so one buffer per
 device holds the larger of the two. We report it the same way, so that every parent's arithmetic holds: the
 tower's weights in the output layer's entry of the device the tower is on, and per device the larger graph.
-Beside that, each device says which part is the tower's (`vision_weights`, `vision_graph`): `plan` and the
-memory log show them as rows of their own.
+The runner computes the image graphs on the text model's scheduler (VisionModel.compute_with), so that is true
+of the buffers too. Beside that, each device says which part is the tower's (`vision_weights`, `vision_graph`):
+`plan` and the memory log show them as rows of their own.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from ollama_engine.ml import BackendMemory, DeviceID, GPULayers
 from ollama_engine.ml.memory import DeviceMemory
 
 
-def with_tower(text: BackendMemory, tower: BackendMemory) -> BackendMemory:
-    """The text model's report (not changed) with the tower's weights and image graph on their devices."""
+def with_tower(text: BackendMemory, tower: BackendMemory, image_graph: Mapping[DeviceID, int],
+               shared: bool) -> BackendMemory:
+    """The text model's report (not changed) with the tower's weights and its image graph (`image_graph`: what the
+    worst-case image graph needs per device) on their devices. shared: the image graph runs on the text model's
+    scheduler, whose buffers the text report already sizes for the larger of the two; else it has buffers of its
+    own, added to the device's graph."""
     combined = dataclasses.replace(text, cpu=_copy(text.cpu), gpus=[_copy(gpu) for gpu in text.gpus])
     devices = {device.device_id: device for device in [combined.cpu, *combined.gpus]}
     for part in [tower.cpu, *tower.gpus]:
         weights = sum(part.weights) + (tower.input_weights if part is tower.cpu else 0)
-        if not weights and not part.graph:
-            continue
-        device = devices.get(part.device_id)
-        if device is None:  # a device the text model's backend does not see: cannot happen in one process
-            raise ValueError(f"the vision tower is on {part.name or part.device_id}, which the model does not use")
-        if device.weights:
+        if weights:
+            device = _device(devices, part.device_id)
             device.weights[-1] += weights
-        device.vision_weights += weights
-        device.vision_graph = max(device.vision_graph, part.graph)
-        device.graph = max(device.graph, part.graph)
+            device.vision_weights += weights
+    for device_id, size in image_graph.items():
+        device = _device(devices, device_id)
+        device.vision_graph = size
+        device.graph = max(device.graph, size) if shared else device.graph + size
     return combined
+
+
+def _device(devices: Mapping[DeviceID, DeviceMemory], device_id: DeviceID) -> DeviceMemory:
+    if device_id not in devices:  # both backends enumerate the same devices in one process
+        raise ValueError(f"the vision tower is on {device_id}, which the text model's report does not list")
+    return devices[device_id]
 
 
 def _copy(device: DeviceMemory) -> DeviceMemory:
