@@ -344,3 +344,15 @@ def test_official_clients_get_answers_about_an_image(files, tmp_path):
             model="single", max_tokens=6, temperature=0, messages=[{"role": "user", "content": [
                 {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": data_url}}]}])
         assert answer.choices[0].message.content and answer.usage.prompt_tokens > 34
+
+
+def test_runner_refuses_a_too_narrow_image_and_keeps_serving(runner):
+    import base64
+
+    from test_runner_e2e import completion
+
+    narrow = [{"data": base64.b64encode(png_bytes(smooth_image(10000, 2))).decode(), "id": 0}]
+    status, body = runner.request("POST", "/completion", completion("look [img-0]", Images=narrow))
+    assert status == 400 and b"too narrow" in body, body
+    _, done = runner.complete("still here?", options={"num_predict": 2})
+    assert done["done"]
