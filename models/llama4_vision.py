@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ollama_engine.image import DecodedImage, to_planar
-from ollama_engine.image.llama4 import tiles
+from ollama_engine.image.llama4 import tile_count, tiles
 from ollama_engine.ml import Backend, Context, DType, Tensor
 
 from .base import ModelError, bind, weight
@@ -88,7 +88,7 @@ class Llama4Vision(VisionModel):
 
     def tokens(self, image: DecodedImage) -> int:
         per_tile = (self.side // self.merge) ** 2
-        return per_tile * len(tiles(image.pixels, self.image_size))
+        return per_tile * tile_count(image.width, image.height, self.image_size)
 
     def pixels(self, image: DecodedImage) -> np.ndarray:
         """The thumbnail's planes (the tiles come from encode_chunks)."""

@@ -18,7 +18,7 @@ from test_vision import IMAGES, MTMD_JPEG, THREADS, png_bytes, smooth_image
 from test_vision_views import compare_with_mtmd, start_loaded_runner
 
 from ollama_engine.image import decode_image
-from ollama_engine.image.llama4 import best_resolution, tiles
+from ollama_engine.image.llama4 import best_resolution, tile_count, tiles
 from ollama_engine.models.vision import load_vision
 
 SPEC = Llama4VisionSpec()  # 32-pixel tiles of 8 x 8 patches, shuffled to 16 rows each
@@ -98,7 +98,8 @@ def test_llama4_tower_matches_mtmd(files, weight_type, flash):
         for name, make in LLAMA4_IMAGES.items():
             image = make()
             expected = mtmd_chunks(reference, image.pixels)
-            assert len(expected) == len(tiles(image.pixels, SPEC.image_size)), name
+            counted = tile_count(image.width, image.height, SPEC.image_size)
+            assert len(expected) == len(tiles(image.pixels, SPEC.image_size)) == counted, name
             assert all(chunk.shape == (ROWS, SPEC.text_embd) for chunk in expected)
             for tower in towers:
                 got = tower.encode_chunks(image)

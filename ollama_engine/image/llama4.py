@@ -39,6 +39,14 @@ def best_resolution(width: int, height: int, size: int) -> tuple[int, int]:
     return best
 
 
+def tile_count(width: int, height: int, size: int) -> int:
+    """How many chunks tiles() makes of a width x height image, without resizing it."""
+    if width <= size and height <= size:
+        return 1
+    grid_width, grid_height = best_resolution(width, height, size)
+    return (grid_width // size) * (grid_height // size) + 1
+
+
 def tiles(pixels: np.ndarray, size: int) -> list[np.ndarray]:
     """(height, width, 3) uint8 -> the tiles row by row, then the thumbnail: each (size, size, 3) uint8."""
     height, width = pixels.shape[:2]
