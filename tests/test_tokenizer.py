@@ -19,7 +19,7 @@ import pytest
 from ollama_engine.tokenizer import Tokenizer, from_gguf, from_metadata, read_tokenizer_metadata
 
 # Every vocabulary in llama.cpp's models/ folder with test files and a tokenizer kind we support.
-# Not here: gemma-4 (tokenizer.ggml.model "gemma4") is a kind we do not support; nomic-bert-moe ("t5",
+# Not here: gemma-4 (tokenizer.ggml.model "gemma4": test_tokenizer_gemma4.py); nomic-bert-moe ("t5",
 # Unigram) has no test files (test_tokenizer_ugm.py compares it with llama.cpp); aquila, baichuan and
 # gpt-neox have no test files.
 VOCABS = ["llama-spm", "phi-3", "bert-bge", "gpt-2", "llama-bpe", "qwen2", "qwen35", "deepseek-coder",

@@ -12,6 +12,7 @@ from typing import Any
 
 from ollama_engine.tokenizer.bpe import BytePairSegmenter
 from ollama_engine.tokenizer.core import Segmenter, Tokenizer
+from ollama_engine.tokenizer.gemma4 import Gemma4Segmenter
 from ollama_engine.tokenizer.ugm import UnigramSegmenter
 from ollama_engine.tokenizer.vocab import Vocabulary
 from ollama_engine.tokenizer.wpm import WordPieceSegmenter
@@ -36,9 +37,14 @@ def from_metadata(metadata: Mapping[str, Any]) -> Tokenizer:
         segmenter = BytePairSegmenter(vocab)
     elif vocab.model == "t5":
         segmenter = UnigramSegmenter.from_metadata(vocab, metadata)
+    elif vocab.model == "gemma4":
+        segmenter = Gemma4Segmenter(vocab)
     else:
         segmenter = WordPieceSegmenter(vocab)
-    return Tokenizer(vocab, segmenter)
+    tokenizer = Tokenizer(vocab, segmenter)
+    if vocab.model == "gemma4":
+        tokenizer.add_bos = True  # llama.cpp overrides a Gemma 4 file's add_bos_token false (its PR 21500)
+    return tokenizer
 
 
 def from_gguf(path: str | PathLike[str]) -> Tokenizer:

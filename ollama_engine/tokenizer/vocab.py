@@ -43,6 +43,7 @@ _DEFAULT_IDS: dict[str, dict[str, int | None]] = {
     "bert": {"bos": 101, "eos": None, "unk": 100, "sep": 102, "pad": 0},
     "gpt2": {"bos": 11, "eos": 11, "unk": None, "sep": None, "pad": None},
     "t5": {"bos": None, "eos": 1, "unk": 2, "sep": None, "pad": 0},
+    "gemma4": {"bos": None, "eos": None, "unk": None, "sep": None, "pad": None},  # all from the file
 }
 _ID_KEYS = {
     "bos": "tokenizer.ggml.bos_token_id",
@@ -193,6 +194,11 @@ class Vocabulary:
             end_id = self.token_to_id["<|end|>"]
             eog.discard(end_id)
             self.attrs[end_id] = TokenAttr.USER_DEFINED
+        # Gemma 4 and PLaMo have a plain </s> (llama.cpp: "'</s>' is a normal token here")
+        if "</s>" in texts and texts & {"<|tool_response>", "<|plamo:eos|>"}:
+            s_id = self.token_to_id["</s>"]
+            eog.discard(s_id)
+            self.attrs[s_id] = TokenAttr.NORMAL
         return frozenset(eog)
 
     def _apply_name_attributes(self) -> None:
