@@ -157,7 +157,7 @@ def test_load_request_zero_value_is_an_empty_object():
         "operation": LoadOperation.FIT, "lora_path": [], "parallel": 0, "batch_size": 0, "flash_attention": 0,
         "kv_size": 0, "kv_cache_type": "", "kv_cache_type_k": "", "kv_cache_type_v": "", "num_threads": 0,
         "gpu_layers": [], "multi_user_cache": False,
-        "projector_path": "", "main_gpu": 0, "use_mmap": False,
+        "projector_path": "", "main_gpu": 0, "use_mmap": False, "draft_path": "",
     }
 
 
