@@ -32,8 +32,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="module")
 def synthetic_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    """`synthetic_model(arch, weight_type="F32", **options)`: a synthetic GGUF (tests/synthetic/models.py), written once per
-    module for each set of arguments, so that parametrized cases share their files."""
+    """`synthetic_model(arch, weight_type="F32", **options)`: a synthetic GGUF (tests/synthetic/models.py),
+    written once per module for each set of arguments, so that parametrized cases share their files."""
     from synthetic.models import write_synthetic
 
     folder = tmp_path_factory.mktemp("synthetic")
