@@ -96,6 +96,29 @@ def test_a_too_narrow_image_is_an_image_error(files):
         tower.close()
 
 
+@pytest.mark.parametrize("weight_type", ["F16", "Q8_0", "Q4_0"])
+def test_single_file_img_break_is_the_text_models_token_embd_row(tmp_path, weight_type):
+    """Ollama's file has no [IMG_BREAK] tensor: the tower's break rows are token_embd's row of that token (id 12
+    here), dequantized by ggml as the text model's lookup would (equal to gguf-py's dequantization)."""
+    import gguf
+
+    text = write_synthetic(tmp_path / "text.gguf", "tiny-mistral3", weight_type=weight_type)
+    single = add_vision(text, tmp_path / "single.gguf", SPEC)
+    info = GGUFFile.open(single).tensors["token_embd.weight"]
+    assert info.file_type == gguf.GGMLQuantizationType[weight_type]
+    rows = np.array(GGUFFile.open(single).tensor_data(info.name)).reshape(info.shape[1], -1)
+    expected = gguf.quants.dequantize(rows[12], gguf.GGMLQuantizationType(info.file_type)).reshape(-1)
+    tower = our_tower(single)
+    try:
+        image = IMAGES["png-wide"]()
+        out = tower.encode(image)
+        breaks = break_rows(tower, image)
+        assert len(breaks) == 4
+        assert np.array_equal(out[breaks], np.broadcast_to(expected, (len(breaks), SPEC.text_embd)))
+    finally:
+        tower.close()
+
+
 @pytest.mark.reference
 def test_image_sizes_and_token_counts_are_mtmds(files):
     """mtmd's image chunk of each size has as many tokens as our tower gives it (dyn_size's target size:
