@@ -8,10 +8,9 @@ biases, rope_freqs and BERT's position and token-type tables stay F32 as llama.c
 every other matrix, token_embd included, gets the requested weight type. Each tensor draws from its
 own generator seeded by (seed, name), so a tensor's values do not depend on the file's other tensors.
 
-Which tensors a file has comes, for most architectures, from the model's own weight() declarations
-(declared.py: names from the declarations, shapes from one rule per GGUF name); the architectures whose
-converters write a layer's tensors in another order keep their lists here (_tensor_plan). Presets are
-small changes of a few base specs (_tiny, dataclasses.replace).
+Which tensors a file has comes from the model's own weight() declarations (declared.py: names from the
+declarations, shapes from one rule per GGUF name). Presets are small changes of a few base specs (_tiny,
+dataclasses.replace).
 """
 
 from __future__ import annotations
@@ -28,12 +27,12 @@ from typing import Any
 
 import gguf
 import numpy as np
-from gguf import GGML_QUANT_SIZES, MODEL_TENSOR, TENSOR_NAMES, GGMLQuantizationType, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from ollama_engine import paths
 from ollama_engine.fs.gguf_file import Conversion, GGUFFile
 
-from .declared import declared_tensors, families
+from .declared import declared_tensors
 
 ARCHITECTURES = (
     "llama", "qwen2", "qwen3", "bert", "gemma2", "gemma3", "qwen3moe", "nomic-bert", "phi3", "olmo2", "mistral3",
@@ -220,6 +219,12 @@ class ModelSpec:
             if options is not None:
                 return options.leading_dense
         return self.leading_dense
+
+    def layer_ff(self, i: int) -> int:
+        """Layer i's FFN width: gemma4's shared-KV layers' doubled where the spec says (use_double_wide_mlp)."""
+        g = self.gemma4
+        doubled = g is not None and g.double_wide and i >= self.n_layer - g.shared_kv_layers
+        return 2 * self.n_ff if doubled else self.n_ff
 
     def layer_heads(self, i: int) -> int:
         """Layer i's query heads: laguna's full-attention layers (0 and every 4th after it, when a sliding window
@@ -495,245 +500,23 @@ def _check(spec: ModelSpec) -> None:
 
 
 def _tensor_plan(spec: ModelSpec, n_vocab: int, qtype: GGMLQuantizationType) -> Iterator[_Tensor]:
-    """Every tensor llama.cpp loads for the architecture, with its ggml shape and type, in the file's order:
-    from the model's declarations (declared.py) where declared.families() has the architecture, else listed
-    below (bert and nomic-bert, phi3, lfm2, nemotron_h, qwen3next and qwen35, gemma3n, gemma4: their converters
-    order a layer's tensors otherwise than the shared order, and several shapes are their own)."""
-    f32 = GGMLQuantizationType.F32
-
-    def named(name: str, shape: tuple[int, ...], kind: str) -> _Tensor:
+    """Every tensor the architecture's model reads (declared.py), with its ggml shape and type, in the file's
+    order. Matrices get the weight type (token_embd and output the spec's embedding_type, stacked experts its
+    expert_type, where it names one); the other kinds stay F32, as llama.cpp's quantizer leaves them."""
+    for name, shape, kind in declared_tensors(spec, n_vocab):
         own = qtype
-        if kind == "embedding":  # token_embd and output, in their own type where the spec names one
+        if kind == "embedding":
             kind, own = "matrix", WEIGHT_TYPES[spec.embedding_type][0] if spec.embedding_type else qtype
-        if kind == "expert":  # stacked experts: a matrix, in their own type where the spec names one
+        if kind == "expert":
             kind, own = "matrix", WEIGHT_TYPES[spec.expert_type][0] if spec.expert_type else qtype
         if kind != "matrix":
-            return _Tensor(name, shape, kind, f32)
+            yield _Tensor(name, shape, kind, GGMLQuantizationType.F32)
+            continue
         block_size = GGML_QUANT_SIZES[own][0]
         if shape[0] % block_size:
-            raise ValueError(
-                f"{spec.name}: {name} has rows of {shape[0]}, not a multiple of the {own.name} block "
-                f"size {block_size}; choose sizes that are"
-            )
-        return _Tensor(name, shape, kind, own)
-
-    def tensor(key: MODEL_TENSOR, suffix: str, shape: tuple[int, ...], kind: str, bid: int = 0) -> _Tensor:
-        return named(TENSOR_NAMES[key].format(bid=bid) + "." + suffix, shape, kind)
-
-    if spec.arch in families():
-        yield from (named(*t) for t in declared_tensors(spec, n_vocab))
-        return
-    n_embd, n_ff = spec.n_embd, spec.n_ff
-    n_q, n_kv = spec.n_head * spec.n_rot, spec.n_head_kv * spec.n_rot
-    yield tensor(MODEL_TENSOR.TOKEN_EMBD, "weight", (n_embd, n_vocab), "embedding")
-
-    if spec.arch in ("nomic-bert", "nomic-bert-moe"):
-        yield from _nomic_bert_tensors(tensor, spec)
-        return
-    if spec.arch == "bert":
-        # llama.cpp's quantizer never touches these two, and it adds a view of token_types, so F32.
-        yield tensor(MODEL_TENSOR.TOKEN_TYPES, "weight", (n_embd, 2), "table")
-        yield tensor(MODEL_TENSOR.POS_EMBD, "weight", (n_embd, spec.context_length), "table")
-        yield tensor(MODEL_TENSOR.TOKEN_EMBD_NORM, "weight", (n_embd,), "norm")
-        yield tensor(MODEL_TENSOR.TOKEN_EMBD_NORM, "bias", (n_embd,), "bias")
-        for i in range(spec.n_layer):
-            for key, shape in (
-                (MODEL_TENSOR.ATTN_Q, (n_embd, n_q)),
-                (MODEL_TENSOR.ATTN_K, (n_embd, n_kv)),
-                (MODEL_TENSOR.ATTN_V, (n_embd, n_kv)),
-                (MODEL_TENSOR.ATTN_OUT, (n_q, n_embd)),
-            ):
-                yield tensor(key, "weight", shape, "matrix", i)
-                yield tensor(key, "bias", shape[1:], "bias", i)
-            yield tensor(MODEL_TENSOR.ATTN_OUT_NORM, "weight", (n_embd,), "norm", i)
-            yield tensor(MODEL_TENSOR.ATTN_OUT_NORM, "bias", (n_embd,), "bias", i)
-            yield tensor(MODEL_TENSOR.FFN_UP, "weight", (n_embd, n_ff), "matrix", i)
-            yield tensor(MODEL_TENSOR.FFN_UP, "bias", (n_ff,), "bias", i)
-            yield tensor(MODEL_TENSOR.FFN_DOWN, "weight", (n_ff, n_embd), "matrix", i)
-            yield tensor(MODEL_TENSOR.FFN_DOWN, "bias", (n_embd,), "bias", i)
-            yield tensor(MODEL_TENSOR.LAYER_OUT_NORM, "weight", (n_embd,), "norm", i)
-            yield tensor(MODEL_TENSOR.LAYER_OUT_NORM, "bias", (n_embd,), "bias", i)
-        if spec.pooling_type == gguf.PoolingType.RANK:  # a reranker's head: dense + tanh, then one score
-            yield tensor(MODEL_TENSOR.CLS, "weight", (n_embd, n_embd), "matrix")
-            yield tensor(MODEL_TENSOR.CLS, "bias", (n_embd,), "bias")
-            yield tensor(MODEL_TENSOR.CLS_OUT, "weight", (n_embd, 1), "matrix")
-            yield tensor(MODEL_TENSOR.CLS_OUT, "bias", (1,), "bias")
-        return
-
-    if spec.arch not in ("lfm2", "lfm2moe"):  # lfm2's is named token_embd_norm
-        yield tensor(MODEL_TENSOR.OUTPUT_NORM, "weight", (n_embd,), "norm")
-    if not spec.tied_embeddings:
-        yield tensor(MODEL_TENSOR.OUTPUT, "weight", (n_embd, n_vocab), "embedding")
-    if spec.rope_freqs:
-        yield tensor(MODEL_TENSOR.ROPE_FREQS, "weight", (spec.n_rot // 2,), "rope_freqs")
-    if spec.arch == "phi3":
-        yield from _phi3_tensors(tensor, spec)
-        return
-    if spec.arch in ("lfm2", "lfm2moe"):
-        yield from _lfm2_tensors(tensor, spec)
-        return
-    if spec.arch in ("nemotron_h", "nemotron_h_moe"):
-        yield from _nemotron_h_tensors(tensor, spec)
-        return
-    if spec.arch in ("qwen3next", "qwen35", "qwen35moe"):
-        yield from _qwen3next_tensors(tensor, spec)
-        return
-    if spec.arch == "gemma4":
-        yield from _gemma4_tensors(tensor, spec, n_vocab)
-        return
-    if spec.arch == "gemma3n":
-        yield from _gemma3n_tensors(tensor, spec, n_vocab)
-        return
-    raise ValueError(f"{spec.name}: no tensor plan for {spec.arch}")
-
-
-def _attention_tensors(tensor, spec: ModelSpec, i: int, gated: bool = False) -> Iterator[_Tensor]:
-    """Layer i's attn_q, attn_k, attn_v and attn_output, without biases; gated: the query projection also
-    gives the output gate (twice as wide)."""
-    n_embd, n_q, n_kv = spec.n_embd, spec.n_q, spec.n_kv
-    for key, shape in ((MODEL_TENSOR.ATTN_Q, (n_embd, 2 * n_q if gated else n_q)),
-                       (MODEL_TENSOR.ATTN_K, (n_embd, n_kv)), (MODEL_TENSOR.ATTN_V, (n_embd, n_kv)),
-                       (MODEL_TENSOR.ATTN_OUT, (n_q, n_embd))):
-        yield tensor(key, "weight", shape, "matrix", i)
-
-
-def _swiglu_tensors(tensor, spec: ModelSpec, i: int) -> Iterator[_Tensor]:
-    """Layer i's SwiGLU FFN of width n_ff, in the converters' order."""
-    yield tensor(MODEL_TENSOR.FFN_GATE, "weight", (spec.n_embd, spec.n_ff), "matrix", i)
-    yield tensor(MODEL_TENSOR.FFN_DOWN, "weight", (spec.n_ff, spec.n_embd), "matrix", i)
-    yield tensor(MODEL_TENSOR.FFN_UP, "weight", (spec.n_embd, spec.n_ff), "matrix", i)
-
-
-def _lfm2_tensors(tensor, spec: ModelSpec) -> Iterator[_Tensor]:
-    """LFM2's output norm (named token_embd_norm) and layers: short convolutions, and attention in
-    spec.attention_layers with per-head q/k norms; every layer a SwiGLU FFN."""
-    n_embd = spec.n_embd
-    yield tensor(MODEL_TENSOR.TOKEN_EMBD_NORM, "weight", (n_embd,), "norm")
-    for i in range(spec.n_layer):
-        yield tensor(MODEL_TENSOR.ATTN_NORM, "weight", (n_embd,), "norm", i)
-        if i in spec.attention_layers:
-            yield from _attention_tensors(tensor, spec, i)
-            yield tensor(MODEL_TENSOR.ATTN_Q_NORM, "weight", (spec.n_rot,), "norm", i)
-            yield tensor(MODEL_TENSOR.ATTN_K_NORM, "weight", (spec.n_rot,), "norm", i)
-        else:  # the kernel stays F32, as llama.cpp's quantizer leaves it
-            yield tensor(MODEL_TENSOR.SHORTCONV_CONV, "weight", (spec.conv_width, n_embd), "table", i)
-            yield tensor(MODEL_TENSOR.SHORTCONV_INPROJ, "weight", (n_embd, 3 * n_embd), "matrix", i)
-            yield tensor(MODEL_TENSOR.SHORTCONV_OUTPROJ, "weight", (n_embd, n_embd), "matrix", i)
-        yield tensor(MODEL_TENSOR.FFN_NORM, "weight", (n_embd,), "norm", i)
-        if spec.arch == "lfm2moe" and i >= spec.leading_dense:  # sigmoid-routed experts with a selection bias
-            yield from _expert_tensors(tensor, spec, i)
-            yield tensor(MODEL_TENSOR.FFN_EXP_PROBS_B, "bias", (spec.n_expert,), "bias", i)
-            continue
-        yield from _swiglu_tensors(tensor, spec, i)
-
-
-def _nemotron_h_tensors(tensor, spec: ModelSpec) -> Iterator[_Tensor]:
-    """Nemotron-H's layers: attention (no norms, no RoPE) in spec.attention_layers, a ReLU² MLP in
-    spec.mlp_layers, Mamba-2 in the others; every one behind an attn_norm."""
-    n_embd = spec.n_embd
-    inner, groups, heads = spec.ssm_inner, spec.ssm_groups, spec.ssm_heads
-    channels = inner + 2 * groups * spec.ssm_state  # x, B, C: what the convolution sees
-    for i in range(spec.n_layer):
-        yield tensor(MODEL_TENSOR.ATTN_NORM, "weight", (n_embd,), "norm", i)
-        if i in spec.attention_layers:
-            yield from _attention_tensors(tensor, spec, i)
-        elif i in spec.mlp_layers and spec.arch == "nemotron_h_moe":  # ungated experts, a shared expert
-            n_ff, n_expert = spec.n_ff_exp, spec.n_expert
-            yield tensor(MODEL_TENSOR.FFN_GATE_INP, "weight", (n_embd, n_expert), "table", i)
-            yield tensor(MODEL_TENSOR.FFN_EXP_PROBS_B, "bias", (n_expert,), "bias", i)
-            yield tensor(MODEL_TENSOR.FFN_UP_EXP, "weight", (n_embd, n_ff, n_expert), "expert", i)
-            yield tensor(MODEL_TENSOR.FFN_DOWN_EXP, "weight", (n_ff, n_embd, n_expert), "expert", i)
-            yield tensor(MODEL_TENSOR.FFN_UP_SHEXP, "weight", (n_embd, spec.n_ff), "matrix", i)
-            yield tensor(MODEL_TENSOR.FFN_DOWN_SHEXP, "weight", (spec.n_ff, n_embd), "matrix", i)
-        elif i in spec.mlp_layers:
-            yield tensor(MODEL_TENSOR.FFN_UP, "weight", (n_embd, spec.n_ff), "matrix", i)
-            yield tensor(MODEL_TENSOR.FFN_DOWN, "weight", (spec.n_ff, n_embd), "matrix", i)
-        else:  # the kernel, A, D and the norms stay F32, as llama.cpp's quantizer leaves them
-            yield tensor(MODEL_TENSOR.SSM_IN, "weight", (n_embd, inner + channels + heads), "matrix", i)
-            yield tensor(MODEL_TENSOR.SSM_CONV1D, "weight", (spec.conv_width, channels), "table", i)
-            yield tensor(MODEL_TENSOR.SSM_CONV1D, "bias", (channels,), "bias", i)
-            yield tensor(MODEL_TENSOR.SSM_DT, "bias", (heads,), "bias", i)
-            yield _Tensor(TENSOR_NAMES[MODEL_TENSOR.SSM_A].format(bid=i), (1, heads), "decay",
-                          GGMLQuantizationType.F32)  # no .weight suffix
-            yield _Tensor(TENSOR_NAMES[MODEL_TENSOR.SSM_D].format(bid=i), (1, heads), "norm", GGMLQuantizationType.F32)
-            yield tensor(MODEL_TENSOR.SSM_NORM, "weight", (inner // groups, groups), "norm", i)
-            yield tensor(MODEL_TENSOR.SSM_OUT, "weight", (inner, n_embd), "matrix", i)
-
-
-def _qwen3next_tensors(tensor, spec: ModelSpec) -> Iterator[_Tensor]:
-    """Qwen3-Next's layers: gated DeltaNet (fused q/k/v projection, z, beta/alpha), gated full attention
-    with q/k norms every full_attention_interval-th layer; mixtures of experts with a gated shared expert."""
-    n_embd, n_ff = spec.n_embd, spec.n_ff
-    key_dim, inner, v_heads = spec.ssm_groups * spec.ssm_state, spec.ssm_inner, spec.ssm_heads
-    for i in range(spec.n_layer):
-        yield tensor(MODEL_TENSOR.ATTN_NORM, "weight", (n_embd,), "norm", i)
-        yield tensor(MODEL_TENSOR.ATTN_POST_NORM, "weight", (n_embd,), "norm", i)
-        if (i + 1) % spec.full_attention_interval:  # the kernel, A and the norms stay F32
-            yield tensor(MODEL_TENSOR.ATTN_QKV, "weight", (n_embd, 2 * key_dim + inner), "matrix", i)
-            yield tensor(MODEL_TENSOR.ATTN_GATE, "weight", (n_embd, inner), "matrix", i)
-            if spec.arch == "qwen3next":
-                yield tensor(MODEL_TENSOR.SSM_BETA_ALPHA, "weight", (n_embd, 2 * v_heads), "matrix", i)
-            else:  # qwen35: beta and alpha apart
-                yield tensor(MODEL_TENSOR.SSM_BETA, "weight", (n_embd, v_heads), "matrix", i)
-                yield tensor(MODEL_TENSOR.SSM_ALPHA, "weight", (n_embd, v_heads), "matrix", i)
-            yield tensor(MODEL_TENSOR.SSM_CONV1D, "weight", (spec.conv_width, 2 * key_dim + inner), "table", i)
-            yield tensor(MODEL_TENSOR.SSM_DT, "bias", (v_heads,), "bias", i)
-            yield _Tensor(TENSOR_NAMES[MODEL_TENSOR.SSM_A].format(bid=i), (v_heads,), "decay",
-                          GGMLQuantizationType.F32)
-            yield tensor(MODEL_TENSOR.SSM_NORM, "weight", (spec.ssm_state,), "norm", i)
-            yield tensor(MODEL_TENSOR.SSM_OUT, "weight", (inner, n_embd), "matrix", i)
-        else:
-            yield from _attention_tensors(tensor, spec, i, gated=True)
-            yield tensor(MODEL_TENSOR.ATTN_Q_NORM, "weight", (spec.n_rot,), "norm", i)
-            yield tensor(MODEL_TENSOR.ATTN_K_NORM, "weight", (spec.n_rot,), "norm", i)
-        if spec.arch == "qwen35":
-            yield from _swiglu_tensors(tensor, spec, i)
-            continue
-        yield from _expert_tensors(tensor, spec, i)
-        yield tensor(MODEL_TENSOR.FFN_GATE_INP_SHEXP, "weight", (n_embd,), "table", i)
-        yield tensor(MODEL_TENSOR.FFN_GATE_SHEXP, "weight", (n_embd, n_ff), "matrix", i)
-        yield tensor(MODEL_TENSOR.FFN_DOWN_SHEXP, "weight", (n_ff, n_embd), "matrix", i)
-        yield tensor(MODEL_TENSOR.FFN_UP_SHEXP, "weight", (n_embd, n_ff), "matrix", i)
-
-
-def _gemma3n_tensors(tensor, spec: ModelSpec, n_vocab: int) -> Iterator[_Tensor]:
-    """gemma3n's per-layer embeddings, AltUp projections and layers (Gemma 3's with AltUp and Laurel). AltUp,
-    Laurel and per_layer_model_proj stay F32: llama.cpp's quantizer leaves them as converted."""
-    g, n_embd, n_ff = spec.gemma3n, spec.n_embd, spec.n_ff
-    n_q, n_kv, width = spec.n_head * spec.n_rot, spec.n_head_kv * spec.n_rot, g.per_layer * spec.n_layer
-    yield tensor(MODEL_TENSOR.PER_LAYER_TOKEN_EMBD, "weight", (width, n_vocab), "embedding")
-    yield tensor(MODEL_TENSOR.PER_LAYER_MODEL_PROJ, "weight", (n_embd, width), "table")
-    yield tensor(MODEL_TENSOR.PER_LAYER_PROJ_NORM, "weight", (g.per_layer,), "norm")
-    yield tensor(MODEL_TENSOR.ALTUP_PROJ, "weight", (n_embd, n_embd, g.altup - 1), "table")
-    yield tensor(MODEL_TENSOR.ALTUP_UNEMBD_PROJ, "weight", (n_embd, n_embd, g.altup - 1), "table")
-    for i in range(spec.n_layer):
-        for key, suffix, shape, kind in (
-            (MODEL_TENSOR.ATTN_NORM, "weight", (n_embd,), "norm"),
-            (MODEL_TENSOR.ATTN_Q, "weight", (n_embd, n_q), "matrix"),
-            (MODEL_TENSOR.ATTN_K, "weight", (n_embd, n_kv), "matrix"),
-            (MODEL_TENSOR.ATTN_V, "weight", (n_embd, n_kv), "matrix"),
-            (MODEL_TENSOR.ATTN_Q_NORM, "weight", (spec.n_rot,), "norm"),
-            (MODEL_TENSOR.ATTN_K_NORM, "weight", (spec.n_rot,), "norm"),
-            (MODEL_TENSOR.ATTN_OUT, "weight", (n_q, n_embd), "matrix"),
-            (MODEL_TENSOR.ATTN_POST_NORM, "weight", (n_embd,), "norm"),
-            (MODEL_TENSOR.FFN_NORM, "weight", (n_embd,), "norm"),
-            (MODEL_TENSOR.FFN_GATE, "weight", (n_embd, n_ff), "matrix"),
-            (MODEL_TENSOR.FFN_UP, "weight", (n_embd, n_ff), "matrix"),
-            (MODEL_TENSOR.FFN_DOWN, "weight", (n_ff, n_embd), "matrix"),
-            (MODEL_TENSOR.FFN_POST_NORM, "weight", (n_embd,), "norm"),
-            (MODEL_TENSOR.PER_LAYER_INP_GATE, "weight", (n_embd, g.per_layer), "matrix"),
-            (MODEL_TENSOR.PER_LAYER_PROJ, "weight", (g.per_layer, n_embd), "matrix"),
-            (MODEL_TENSOR.PER_LAYER_POST_NORM, "weight", (n_embd,), "norm"),
-            (MODEL_TENSOR.ALTUP_CORRECT_COEF, "weight", (g.altup, g.altup), "table"),
-            (MODEL_TENSOR.ALTUP_CORRECT_SCALE, "weight", (n_embd,), "norm"),
-            (MODEL_TENSOR.ALTUP_PREDICT_COEF, "weight", (g.altup, g.altup * g.altup), "table"),
-            (MODEL_TENSOR.ALTUP_ROUTER, "weight", (n_embd, g.altup), "table"),
-            (MODEL_TENSOR.ALTUP_ROUTER_NORM, "weight", (n_embd,), "norm"),
-            (MODEL_TENSOR.LAUREL_L, "weight", (n_embd, g.laurel_rank), "table"),
-            (MODEL_TENSOR.LAUREL_R, "weight", (g.laurel_rank, n_embd), "table"),
-            (MODEL_TENSOR.LAUREL_POST_NORM, "weight", (n_embd,), "norm"),
-        ):
-            yield tensor(key, suffix, shape, kind, i)
+            raise ValueError(f"{spec.name}: {name} has rows of {shape[0]}, not a multiple of the {own.name} block "
+                             f"size {block_size}; choose sizes that are")
+        yield _Tensor(name, shape, kind, own)
 
 
 def _add_gemma3n_hparams(writer: gguf.GGUFWriter, spec: ModelSpec) -> None:
@@ -749,57 +532,6 @@ def _add_gemma3n_hparams(writer: gguf.GGUFWriter, spec: ModelSpec) -> None:
     quantile = float(np.float32(1.6448533535003662))
     writer.add_array(f"{writer.arch}.activation_sparsity_scale",
                      [quantile if i < g.sparse_layers else -math.inf for i in range(spec.n_layer)])
-
-
-def _phi3_tensors(tensor, spec: ModelSpec) -> Iterator[_Tensor]:
-    """Phi-3's LongRoPE factors (where original_context is set) and layers: fused q/k/v and gate/up."""
-    n_embd, n_ff, n_qkv = spec.n_embd, spec.n_ff, (spec.n_head + 2 * spec.n_head_kv) * spec.n_rot
-    if spec.original_context is not None:
-        yield tensor(MODEL_TENSOR.ROPE_FACTORS_LONG, "weight", (spec.n_rot // 2,), "rope_freqs")
-        yield tensor(MODEL_TENSOR.ROPE_FACTORS_SHORT, "weight", (spec.n_rot // 2,), "rope_freqs")
-    for i in range(spec.n_layer):
-        yield tensor(MODEL_TENSOR.ATTN_NORM, "weight", (n_embd,), "norm", i)
-        yield tensor(MODEL_TENSOR.ATTN_QKV, "weight", (n_embd, n_qkv), "matrix", i)
-        yield tensor(MODEL_TENSOR.ATTN_OUT, "weight", (spec.n_head * spec.n_rot, n_embd), "matrix", i)
-        yield tensor(MODEL_TENSOR.FFN_NORM, "weight", (n_embd,), "norm", i)
-        yield tensor(MODEL_TENSOR.FFN_UP, "weight", (n_embd, 2 * n_ff), "matrix", i)
-        yield tensor(MODEL_TENSOR.FFN_DOWN, "weight", (n_ff, n_embd), "matrix", i)
-
-
-def _nomic_bert_tensors(tensor, spec: ModelSpec) -> Iterator[_Tensor]:
-    """nomic-embed-text v1.5's layers: fused q/k/v, no position table, SwiGLU, no projection biases.
-
-    v2 (nomic-bert-moe): one token type, GELU feed-forwards with biases, and in layers i % moe_every == 1
-    a router and ungated experts (up, down) as wide as feed_forward_length; q/k/v and output biases with
-    qkv_bias."""
-    n_embd, n_ff, moe = spec.n_embd, spec.n_ff, spec.arch == "nomic-bert-moe"
-    yield tensor(MODEL_TENSOR.TOKEN_TYPES, "weight", (n_embd, 1 if moe else 2), "table")
-    yield tensor(MODEL_TENSOR.TOKEN_EMBD_NORM, "weight", (n_embd,), "norm")
-    yield tensor(MODEL_TENSOR.TOKEN_EMBD_NORM, "bias", (n_embd,), "bias")
-    for i in range(spec.n_layer):
-        yield tensor(MODEL_TENSOR.ATTN_QKV, "weight", (n_embd, 3 * n_embd), "matrix", i)
-        if spec.qkv_bias:
-            yield tensor(MODEL_TENSOR.ATTN_QKV, "bias", (3 * n_embd,), "bias", i)
-        yield tensor(MODEL_TENSOR.ATTN_OUT, "weight", (n_embd, n_embd), "matrix", i)
-        if spec.qkv_bias:
-            yield tensor(MODEL_TENSOR.ATTN_OUT, "bias", (n_embd,), "bias", i)
-        yield tensor(MODEL_TENSOR.ATTN_OUT_NORM, "weight", (n_embd,), "norm", i)
-        yield tensor(MODEL_TENSOR.ATTN_OUT_NORM, "bias", (n_embd,), "bias", i)
-        if moe and i % spec.moe_every == 1:
-            yield tensor(MODEL_TENSOR.FFN_GATE_INP, "weight", (n_embd, spec.n_expert), "table", i)
-            yield tensor(MODEL_TENSOR.FFN_UP_EXP, "weight", (n_embd, n_ff, spec.n_expert), "expert", i)
-            yield tensor(MODEL_TENSOR.FFN_DOWN_EXP, "weight", (n_ff, n_embd, spec.n_expert), "expert", i)
-        elif moe:
-            yield tensor(MODEL_TENSOR.FFN_UP, "weight", (n_embd, n_ff), "matrix", i)
-            yield tensor(MODEL_TENSOR.FFN_UP, "bias", (n_ff,), "bias", i)
-            yield tensor(MODEL_TENSOR.FFN_DOWN, "weight", (n_ff, n_embd), "matrix", i)
-            yield tensor(MODEL_TENSOR.FFN_DOWN, "bias", (n_embd,), "bias", i)
-        else:
-            yield tensor(MODEL_TENSOR.FFN_UP, "weight", (n_embd, n_ff), "matrix", i)
-            yield tensor(MODEL_TENSOR.FFN_GATE, "weight", (n_embd, n_ff), "matrix", i)
-            yield tensor(MODEL_TENSOR.FFN_DOWN, "weight", (n_ff, n_embd), "matrix", i)
-        yield tensor(MODEL_TENSOR.LAYER_OUT_NORM, "weight", (n_embd,), "norm", i)
-        yield tensor(MODEL_TENSOR.LAYER_OUT_NORM, "bias", (n_embd,), "bias", i)
 
 
 def _ollama_gpt_oss(tensors: list[_Tensor], layout: str) -> Iterator[_Tensor]:
@@ -907,62 +639,6 @@ def _add_mla_hparams(writer: gguf.GGUFWriter, spec: ModelSpec) -> None:
         writer.add_attn_temperature_length(mla.temperature_length)
 
 
-def _gemma4_feed_forward(spec: ModelSpec) -> list[int]:
-    """Each layer's FFN width: the shared-KV layers' doubled where the spec says (use_double_wide_mlp)."""
-    g = spec.gemma4
-    first_shared = spec.n_layer - g.shared_kv_layers
-    return [spec.n_ff * 2 if g.double_wide and i >= first_shared else spec.n_ff for i in range(spec.n_layer)]
-
-
-def _gemma4_tensors(tensor, spec: ModelSpec, n_vocab: int) -> Iterator[_Tensor]:
-    """Gemma 4's proportional RoPE factors, per-layer embeddings and layers (llama.cpp's layout): sliding and
-    global layers of their own head sizes, shared-KV layers without keys or values."""
-    g, n_embd = spec.gemma4, spec.n_embd
-    yield tensor(MODEL_TENSOR.ROPE_FREQS, "weight", (spec.n_rot // 2,), "proportional")
-    if g.n_embd_per_layer:
-        width = g.n_embd_per_layer * spec.n_layer
-        yield tensor(MODEL_TENSOR.PER_LAYER_TOKEN_EMBD, "weight", (width, n_vocab), "matrix")
-        yield tensor(MODEL_TENSOR.PER_LAYER_MODEL_PROJ, "weight", (n_embd, width), "matrix")
-        yield tensor(MODEL_TENSOR.PER_LAYER_PROJ_NORM, "weight", (g.n_embd_per_layer,), "norm")
-    first_shared = spec.n_layer - g.shared_kv_layers
-    for i, (swa, n_ff) in enumerate(zip(g.swa, _gemma4_feed_forward(spec), strict=True)):
-        head_dim, kv_heads = (g.head_dim_swa, g.n_head_kv_swa) if swa else (spec.n_rot, spec.n_head_kv)
-        n_q = spec.n_head * head_dim
-        yield tensor(MODEL_TENSOR.ATTN_NORM, "weight", (n_embd,), "norm", i)
-        yield tensor(MODEL_TENSOR.ATTN_Q, "weight", (n_embd, n_q), "matrix", i)
-        if i < first_shared:
-            yield tensor(MODEL_TENSOR.ATTN_K, "weight", (n_embd, kv_heads * head_dim), "matrix", i)
-            if swa or not g.k_eq_v_global:
-                yield tensor(MODEL_TENSOR.ATTN_V, "weight", (n_embd, kv_heads * head_dim), "matrix", i)
-            yield tensor(MODEL_TENSOR.ATTN_K_NORM, "weight", (head_dim,), "norm", i)
-        yield tensor(MODEL_TENSOR.ATTN_Q_NORM, "weight", (head_dim,), "norm", i)
-        yield tensor(MODEL_TENSOR.ATTN_OUT, "weight", (n_q, n_embd), "matrix", i)
-        yield tensor(MODEL_TENSOR.ATTN_POST_NORM, "weight", (n_embd,), "norm", i)
-        yield tensor(MODEL_TENSOR.FFN_NORM, "weight", (n_embd,), "norm", i)
-        yield tensor(MODEL_TENSOR.FFN_GATE, "weight", (n_embd, n_ff), "matrix", i)
-        yield tensor(MODEL_TENSOR.FFN_UP, "weight", (n_embd, n_ff), "matrix", i)
-        yield tensor(MODEL_TENSOR.FFN_DOWN, "weight", (n_ff, n_embd), "matrix", i)
-        yield tensor(MODEL_TENSOR.FFN_POST_NORM, "weight", (n_embd,), "norm", i)
-        yield tensor(MODEL_TENSOR.LAYER_OUT_SCALE, "weight", (1,), "norm", i)
-        if spec.n_expert:  # 26B-A4B: experts beside the FFN, their router, norms and per-expert scales
-            n_exp, n_ff_exp = spec.n_expert, spec.n_ff_exp
-            yield tensor(MODEL_TENSOR.FFN_GATE_INP, "weight", (n_embd, n_exp), "table", i)
-            yield tensor(MODEL_TENSOR.FFN_GATE_INP, "scale", (n_embd,), "norm", i)
-            for key in (MODEL_TENSOR.FFN_PRE_NORM_2, MODEL_TENSOR.FFN_POST_NORM_1, MODEL_TENSOR.FFN_POST_NORM_2):
-                yield tensor(key, "weight", (n_embd,), "norm", i)
-            if g.fused_gate_up:
-                yield tensor(MODEL_TENSOR.FFN_GATE_UP_EXP, "weight", (n_embd, 2 * n_ff_exp, n_exp), "expert", i)
-            else:
-                yield tensor(MODEL_TENSOR.FFN_GATE_EXP, "weight", (n_embd, n_ff_exp, n_exp), "expert", i)
-                yield tensor(MODEL_TENSOR.FFN_UP_EXP, "weight", (n_embd, n_ff_exp, n_exp), "expert", i)
-            yield tensor(MODEL_TENSOR.FFN_DOWN_EXP, "weight", (n_ff_exp, n_embd, n_exp), "expert", i)
-            yield tensor(MODEL_TENSOR.FFN_DOWN_EXP, "scale", (n_exp,), "norm", i)
-        if g.n_embd_per_layer:
-            yield tensor(MODEL_TENSOR.PER_LAYER_INP_GATE, "weight", (n_embd, g.n_embd_per_layer), "matrix", i)
-            yield tensor(MODEL_TENSOR.PER_LAYER_PROJ, "weight", (g.n_embd_per_layer, n_embd), "matrix", i)
-            yield tensor(MODEL_TENSOR.PER_LAYER_POST_NORM, "weight", (n_embd,), "norm", i)
-
-
 def _add_gemma4_hparams(writer: gguf.GGUFWriter, spec: ModelSpec) -> None:
     """What llama.cpp's Gemma4Model converter writes beside the common keys."""
     g = spec.gemma4
@@ -973,15 +649,6 @@ def _add_gemma4_hparams(writer: gguf.GGUFWriter, spec: ModelSpec) -> None:
     writer.add_sliding_window_pattern(list(g.swa))
     writer.add_shared_kv_layers(g.shared_kv_layers)
     writer.add_embedding_length_per_layer_input(g.n_embd_per_layer)
-
-
-def _expert_tensors(tensor, spec: ModelSpec, i: int) -> Iterator[_Tensor]:
-    """A layer's router (kept F32, as llama.cpp's quantizer leaves it) and its experts stacked in 3-D."""
-    n_embd, n_ff, n_expert = spec.n_embd, spec.n_ff_exp, spec.n_expert
-    yield tensor(MODEL_TENSOR.FFN_GATE_INP, "weight", (n_embd, n_expert), "table", i)
-    yield tensor(MODEL_TENSOR.FFN_GATE_EXP, "weight", (n_embd, n_ff, n_expert), "expert", i)
-    yield tensor(MODEL_TENSOR.FFN_DOWN_EXP, "weight", (n_ff, n_embd, n_expert), "expert", i)
-    yield tensor(MODEL_TENSOR.FFN_UP_EXP, "weight", (n_embd, n_ff, n_expert), "expert", i)
 
 
 def _add_hparams(writer: gguf.GGUFWriter, spec: ModelSpec, n_vocab: int, file_type: int) -> None:
@@ -996,7 +663,7 @@ def _add_hparams(writer: gguf.GGUFWriter, spec: ModelSpec, n_vocab: int, file_ty
         width = spec.n_ff_exp if spec.arch == "nemotron_h_moe" else spec.n_ff
         writer.add_feed_forward_length([width if i in spec.mlp_layers else 0 for i in range(spec.n_layer)])
     else:
-        writer.add_feed_forward_length(_gemma4_feed_forward(spec) if spec.gemma4 else spec.n_ff)
+        writer.add_feed_forward_length([spec.layer_ff(i) for i in range(spec.n_layer)] if spec.gemma4 else spec.n_ff)
     writer.add_head_count(_laguna_heads(spec) if spec.arch == "laguna" else spec.n_head)
     if spec.arch in ("nemotron_h", "nemotron_h_moe"):  # head_count_kv 0 but in attention layers; Mamba-2 sizes
         writer.add_head_count_kv([spec.n_head_kv if i in spec.attention_layers else 0 for i in range(spec.n_layer)])
