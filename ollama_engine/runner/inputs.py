@@ -48,3 +48,12 @@ def kept_together(inputs: Sequence[Input], i: int) -> int:
                and inputs[end + 1].multimodal_hash == head.multimodal_hash):
             end += 1 + inputs[end + 1].same_batch
     return end - i
+
+
+def group_boundary(inputs: Sequence[Input], num_keep: int) -> int:
+    """num_keep, or the start of the same-batch group (or image: kept_together) it would end inside of."""
+    for i in range(min(num_keep, len(inputs))):
+        span = kept_together(inputs, i)
+        if span and i + span >= num_keep:
+            return i
+    return num_keep

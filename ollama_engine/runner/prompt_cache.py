@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ollama_engine.runner.exact import resume_point, row_kernels
-from ollama_engine.runner.inputs import Input, kept_together
+from ollama_engine.runner.inputs import Input, group_boundary, kept_together
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +137,7 @@ class InputCache:
             num_past -= 1
         if self.exact:
             num_past = resume_point(slot.kernels, num_past, len(prompt), self.batch_size)
+        num_past = group_boundary(prompt, num_past)  # never inside an image: its rows are evaluated together
 
         if self.kv_cache is not None:
             num_past = self._resumable(slot, num_past, len(prompt))

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 from ollama_engine.runner.images import ImageStats
-from ollama_engine.runner.inputs import Input, kept_together
+from ollama_engine.runner.inputs import Input, group_boundary, kept_together
 from ollama_engine.runner.prompt_cache import InputCacheSlot
 from ollama_engine.runner.speculate import Speculator
 from ollama_engine.runner.text import PendingOutput
@@ -153,11 +153,3 @@ def fit_prompt(inputs: list[Input], num_ctx: int, num_keep: int, truncate: bool)
         raise ValueError("entire prompt removed by truncation")
     return inputs[:num_keep] + inputs[prompt_start:], num_keep
 
-
-def group_boundary(inputs: list[Input], num_keep: int) -> int:
-    """num_keep, or the start of the same-batch group (or image: kept_together) it would end inside of."""
-    for i in range(min(num_keep, len(inputs))):
-        span = kept_together(inputs, i)
-        if span and i + span >= num_keep:
-            return i
-    return num_keep
