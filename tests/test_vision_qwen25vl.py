@@ -326,3 +326,52 @@ def test_batched_with_images_equals_solo(quantized_runner, other):
         assert [token for token, _ in batched] == [token for token, _ in alone]
         gap = max(abs(a - b) for (_, a), (_, b) in zip(alone, batched, strict=True))
         assert gap == 0.0
+
+
+# ------------------------------------------------------------ through serve, with the official clients
+
+
+@pytest.fixture(scope="module")
+def served(files, tmp_path_factory):
+    import ollama
+    from serve_process import serve_process
+
+    folder = tmp_path_factory.mktemp("vision-qwen25vl-serve")
+    with serve_process(folder) as url:
+        client = ollama.Client(host=url)
+        single = files["single-F32"]
+        assert client.create(model="qwen-single", files={single.name: client.create_blob(single)}).status == "success"
+        split = {path.name: client.create_blob(path) for path in (files["text"], files["mmproj-F32"])}
+        assert client.create(model="qwen-split", files=split).status == "success"
+        yield url
+
+
+def test_official_clients_send_images(served):
+    """ollama's generate and chat with images, openai's image_url data URL: answers, the image's 77 rows counted
+    in the prompt; llama.cpp's layout (text + mmproj, one model) answers as Ollama's single file."""
+    import base64
+
+    import ollama
+    import openai
+
+    image = png_bytes(TOWER_IMAGES["png-windows"]().pixels)  # 11 x 7 merged patches
+    greedy = {"temperature": 0, "num_predict": 6}
+    client = ollama.Client(host=served)
+    assert "vision" in client.show("qwen-single").capabilities
+    answers = {}
+    for model in ("qwen-single", "qwen-split"):
+        generated = client.generate(model=model, prompt="What is this?", images=[image], options=greedy)
+        plain = client.generate(model=model, prompt="What is this?", options=greedy)
+        assert generated.done and generated.response
+        assert generated.prompt_eval_count >= plain.prompt_eval_count + 77
+        answers[model] = generated.response
+    assert answers["qwen-single"] == answers["qwen-split"]
+    chat = client.chat(model="qwen-single", options=greedy,
+                       messages=[{"role": "user", "content": "What is this?", "images": [image]}])
+    assert chat.done and chat.message.content and chat.prompt_eval_count > 77
+    openai_client = openai.OpenAI(base_url=f"{served}/v1", api_key="unused")
+    data_url = "data:image/png;base64," + base64.b64encode(image).decode()
+    answer = openai_client.chat.completions.create(model="qwen-single", max_tokens=6, temperature=0, messages=[{
+        "role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                    {"type": "image_url", "image_url": {"url": data_url}}]}])
+    assert answer.choices[0].message.content and answer.usage.prompt_tokens > 77
