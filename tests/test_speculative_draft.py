@@ -14,13 +14,15 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 from synthetic.draft import write_draft
 from test_speculative import COPY, JSON_PROMPT, OTHERS, CheapRows, Run
 
 from ollama_engine.runner.allocate import LoadParams, open_model
-from ollama_engine.runner.draft import DraftModel, VocabularyMismatch
+from ollama_engine.runner.draft import DraftModel, VocabularyMismatch, sure_greedy
 from ollama_engine.runner.loop import Runner
+from ollama_engine.runner.speculate import Speculator, StepCost
 from ollama_engine.sample import Sampler
 from ollama_engine.sample.grammar_text import GRAMMAR_JSON
 
@@ -81,6 +83,39 @@ def assert_drafted(*runs: Run) -> None:
     specs = [run.seq.spec for run in runs]
     assert all(s is not None and s.drafter.__class__.__name__ == "ModelDrafter" for s in specs)
     assert sum(s.accepted for s in specs) > 0, "no draft was accepted: speculation did not happen"
+
+
+# ---------------------------------------------------------------- units
+
+
+class _FixedDrafter:
+    """A drafter whose tokens cost what the test says (the controller reads only its cost here)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds_per_token = seconds
+
+    def bind(self, slot: int) -> None: ...
+    def append(self, token: int) -> None: ...
+    def ready(self, limit: int) -> bool: return True
+    def draft(self, limit: int) -> list[int]: return [1] * limit
+
+
+def test_the_draft_models_cost_is_paid_per_drafted_token():
+    cost = StepCost()
+    for rows in range(1, 8):  # each extra verify row a fifth of a step
+        cost.record(rows, 1.0 + 0.2 * (rows - 1))
+    free, dear = Speculator(_FixedDrafter(0.0), 6), Speculator(_FixedDrafter(1.0), 6)
+    for spec in (free, dear):
+        for _ in range(5):
+            spec.record(6, 6)  # every draft kept
+    assert free.worth(6, cost) == 6  # a lookup: as many as allowed
+    assert dear.worth(6, cost) == 0  # a draft step as dear as a decode step never pays, even when always right
+
+
+def test_drafting_stops_where_the_draft_is_unsure():
+    assert sure_greedy(np.array([0.0, 10.0, 0.0], dtype=np.float32)) == (1, True)
+    assert sure_greedy(np.zeros(4, dtype=np.float32)) == (0, False)  # a quarter each: below P_MIN
+    assert sure_greedy(np.array([0.0, -np.inf, np.inf], dtype=np.float32))[1] is False
 
 
 # ---------------------------------------------------------------- loading

@@ -78,7 +78,7 @@ class DraftModel:
             held.extend(chunk)
         drafts: list[int] = []
         while True:
-            token, sure = _greedy(logits)
+            token, sure = sure_greedy(logits)
             drafts.append(token)
             if len(drafts) == limit or not sure:
                 return drafts
@@ -104,7 +104,7 @@ class DraftModel:
         self.model.close()
 
 
-def _greedy(logits: np.ndarray) -> tuple[int, bool]:
+def sure_greedy(logits: np.ndarray) -> tuple[int, bool]:
     """The most likely token and whether its probability reaches P_MIN."""
     token = int(np.argmax(logits))
     top = logits[token]
