@@ -16,7 +16,8 @@ class MtmdReference:
     """A llama.cpp model + context + mtmd context on (text, mmproj) files."""
 
     def __init__(self, text_path: Path, mmproj_path: Path, *, flash_attention: bool = False, threads: int = 2,
-                 n_ctx: int = 1024, n_batch: int = 512):
+                 n_ctx: int = 1024, n_batch: int = 512, image_max_tokens: int = 0):
+        """image_max_tokens: mtmd's cap on a dynamic-resolution image's tokens (0: the projector's own)."""
         import llama_cpp
         from llama_cpp import mtmd_cpp
 
@@ -38,6 +39,7 @@ class MtmdReference:
         vparams.n_threads = threads
         vparams.flash_attn_type = FLASH[flash_attention]
         vparams.warmup = False
+        vparams.image_max_tokens = image_max_tokens
         self.vctx = mtmd_cpp.mtmd_init_from_file(str(mmproj_path).encode(), self.model, vparams)
         if not self.vctx:
             raise RuntimeError(f"mtmd could not load {mmproj_path}")
