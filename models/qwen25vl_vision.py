@@ -2,7 +2,10 @@
 qwen25vl/model_vision.go).
 
 The image is resized, keeping its aspect ratio, to sides that are multiples of patch x 2 and to between 8 and
-4096 output tokens (llama.cpp's dyn_size preprocessing, bicubic, as Pixtral's). Patches are embedded by two
+2674 output tokens (llama.cpp's dyn_size preprocessing, bicubic, as Pixtral's). llama.cpp allows 4096 tokens,
+whose worst-case graph is too large to reserve at load (16 384 patches attending to each other); we cap images
+as Ollama's Go engine did, at 2 << 20 pixels (qwen25vl/process_image.go's vision.max_pixels default), in
+llama.cpp's arithmetic: mtmd with image_max_tokens 2674 resizes every image as we do. Patches are embedded by two
 kernels, one per frame of Qwen's temporal patch, both reading the same still image (llama.cpp's
 n_batch == 1 path), and reordered so each 2 x 2 square of patches is contiguous. The blocks are RMS-normed
 SwiGLU blocks with biases; queries and keys are turned by ggml's VISION RoPE over (row, column, row, column)
@@ -27,7 +30,8 @@ from .base import ModelError, bind, weight
 from .vision import VisionModel, register_vision
 from .vit import ViTLayer, ViTOptions, linear, vit_block
 
-MIN_TOKENS, MAX_TOKENS = 8, 4096  # clip.cpp's set_limit_image_tokens(8, 4096) for Qwen2/2.5-VL
+MIN_TOKENS = 8  # clip.cpp's set_limit_image_tokens(8, 4096) for Qwen2/2.5-VL (we keep its floor)
+MAX_PIXELS = 2 << 20  # Ollama's cap (vision.max_pixels in its file, else 2 M), instead of clip.cpp's 4096 tokens
 MERGE = 2  # merged squares of 2 x 2 patches (clip.cpp's default n_merge; the graph assumes 2)
 WINDOW = 112  # the attention window in pixels (clip.cpp's fixed value; Ollama's default)
 ROPE_BASE = 10000.0  # clip.cpp's ggml_rope_multi arguments for the tower
@@ -115,7 +119,11 @@ class Qwen25VLVision(VisionModel):
         self.options = ViTOptions(self.n_embd, self.n_head, self.eps, backend.flash_attention,
                                   activation=Tensor.silu, rms_norm=True)
         area = (self.patch_size * MERGE) ** 2
-        self.min_pixels, self.max_pixels = MIN_TOKENS * area, MAX_TOKENS * area
+        max_pixels = MAX_PIXELS if self.layout == "mmproj" else c.get_uint("vision.max_pixels", MAX_PIXELS)
+        self.max_tokens = max_pixels // area  # whole tokens, as mtmd's image_max_tokens sets its limit
+        if self.max_tokens < MIN_TOKENS:
+            raise ModelError(f"{path}: vision.max_pixels {max_pixels} is under {MIN_TOKENS} tokens of {area} pixels")
+        self.min_pixels, self.max_pixels = MIN_TOKENS * area, self.max_tokens * area
 
     @property
     def text_embd(self) -> int:
@@ -145,9 +153,11 @@ class Qwen25VLVision(VisionModel):
         return [self.encode(image).reshape(rows, cols, self.text_embd)]
 
     def reserve(self) -> None:
-        """The largest image graph: a square of MAX_TOKENS merged patches (the most patches any shape has)."""
-        side = int(np.sqrt(MAX_TOKENS)) * self.patch_size * MERGE
-        ctx, _, out = self._graph_for((3, side, side))
+        """The largest image graph: max_tokens merged patches (every tensor's size depends on the count only),
+        as the most nearly square grid of them."""
+        rows = max(r for r in range(1, int(np.sqrt(self.max_tokens)) + 1) if self.max_tokens % r == 0)
+        side = self.patch_size * MERGE
+        ctx, _, out = self._graph_for((3, rows * side, self.max_tokens // rows * side))
         ctx.reserve(out)
 
     def build(self, ctx: Context, pixels: Tensor) -> Tensor:

@@ -3,7 +3,8 @@ llama-cpp-python 0.3.36) on synthetic weights, from llama.cpp's mmproj and from 
 grids mtmd's dyn_size preprocessing picks, the embeddings (bitwise: the same ggml operations on the same
 pixels and threads), then prompts with one and two images decoded as mtmd_helper_eval_chunks decodes them
 (each image's rows at their 2-D positions, the text after it at p0 + max(rows, columns)): logprobs to 1e-4,
-the same greedy tokens.
+the same greedy tokens. Images are capped at Ollama's 2 << 20 pixels (CAP tokens) where llama.cpp allows 4096
+tokens: mtmd runs with image_max_tokens = CAP, which resizes as we do.
 
 The text model's files have RMS epsilon 0, the one the pinned llama.cpp's qwen2vl uses whatever the file says
 (see test_qwen2vl). llama.cpp aborts on a Qwen2.5-VL tower without a windowed layer, so every spec has one.
@@ -25,16 +26,18 @@ from ollama_engine.image import decode_image
 from ollama_engine.kvcache import Batch, cache_dtype
 from ollama_engine.models import load_model
 from ollama_engine.models.vision import load_vision
+from ollama_engine.runner.allocate import LoadParams, open_model
 from ollama_engine.runner.images import ImageData, ImageEncoder, prompt_inputs
 from ollama_engine.runner.positions import rope_positions, text_position
 
 SPEC = Qwen25VLSpec()
+CAP = (2 << 20) // (SPEC.patch_size * 2) ** 2  # Ollama's max pixels in whole tokens of 28 x 28 pixels: 2674
 TOLERANCE = 1e-4  # on logprobs; F32 weights
 STEPS = 6
 
 # sizes that take each of dyn_size's paths (align 28): rounding (50 x 37), scaled up to 8 tokens (5 x 5, 3 x 40),
-# down to 4096 (2000 x 1500), several attention windows (300 x 200: 11 x 7 merged patches in windows of 4)
-SIZES = [(50, 37), (23, 71), (5, 5), (3, 40), (300, 200), (2000, 1500), (112, 112)]
+# down to CAP (2000 x 1500, 3000 x 2000), several attention windows (300 x 200: 11 x 7 merged patches in windows of 4)
+SIZES = [(50, 37), (23, 71), (5, 5), (3, 40), (300, 200), (2000, 1500), (3000, 2000), (112, 112)]
 TOWER_IMAGES = {
     **{name: IMAGES[name] for name in ("png-wide", "png-tall", "mtmd-jpeg")},
     "png-windows": lambda: decode_image(png_bytes(smooth_image(300, 200, seed=6))),
@@ -99,22 +102,79 @@ def mtmd_grids(reference, image) -> list[tuple[int, int, int, int]]:
 @pytest.mark.reference
 def test_image_grids_are_mtmds(files):
     """mtmd's image chunk of each size has our tower's grid (dyn_size's target size: rounding, the 8-token
-    floor, the 4096-token ceiling) and takes max(rows, columns) text positions, as the runner counts them."""
+    floor, the CAP-token ceiling) and takes max(rows, columns) text positions, as the runner counts them."""
     from vision_reference import MtmdReference
 
-    reference = MtmdReference(files["text"], files["mmproj-F32"], threads=THREADS, n_ctx=8192, n_batch=512)
+    reference = MtmdReference(files["text"], files["mmproj-F32"], threads=THREADS, n_ctx=8192, n_batch=512,
+                              image_max_tokens=CAP)
     tower = load_vision(files["mmproj-F32"], allocate=False)
     try:
         for width, height in SIZES:
             image = decode_image(png_bytes(smooth_image(width, height)))
             rows, cols = tower.grid(image)
-            assert 8 <= rows * cols <= 4096
+            assert 8 <= rows * cols <= CAP
             run_inputs = prompt_inputs_of(rows, cols)
             assert mtmd_grids(reference, image) == [(rows * cols, rows, cols, text_position(run_inputs))], (
                 width, height)
     finally:
         reference.close()
         tower.close()
+
+
+@pytest.mark.reference
+def test_images_over_the_cap_are_resized_down_as_mtmd_capped(files):
+    """Both layouts cap images at CAP tokens (Ollama's 2 << 20 pixels); an image over it is resized down, not
+    refused: 3000 x 2000 (7597 tokens at its own size, 4056 under llama.cpp's default cap of 4096) becomes
+    mtmd's grid with image_max_tokens = CAP (42 x 63 merged patches)."""
+    from vision_reference import MtmdReference
+
+    assert CAP == 2674
+    towers = [load_vision(files[name], allocate=False) for name in ("mmproj-F32", "single-F32")]
+    capped = MtmdReference(files["text"], files["mmproj-F32"], threads=THREADS, n_ctx=8192, image_max_tokens=CAP)
+    uncapped = MtmdReference(files["text"], files["mmproj-F32"], threads=THREADS, n_ctx=8192)
+    try:
+        image = decode_image(png_bytes(smooth_image(3000, 2000)))
+        assert image.pixels.shape[:2] == (2000, 3000)
+        (llama_default,) = mtmd_grids(uncapped, image)
+        assert llama_default[:3] == (4056, 52, 78)  # under llama.cpp's own ceiling of 4096, over ours
+        for tower in towers:
+            assert tower.max_tokens == CAP
+            rows, cols = tower.grid(image)
+            assert tower.size(image) == (cols * 28, rows * 28)
+            assert (rows, cols) == (42, 63)  # 2646 tokens, the aspect ratio kept
+            assert mtmd_grids(capped, image) == [(rows * cols, rows, cols, max(rows, cols))]
+    finally:
+        capped.close()
+        uncapped.close()
+        for tower in towers:
+            tower.close()
+
+
+@pytest.mark.parametrize("flash", [False, True], ids=["plain", "flash"])
+def test_reserved_image_graph_is_bounded_by_the_cap(files, flash):
+    """The memory report's VisionGraph is the graph of a CAP-token image (10 696 patches), not of llama.cpp's
+    4096 tokens (16 384 patches): on this 2-head tower 1 398 202 624 bytes instead of 3 260 055 552 (flash:
+    711 776 128 instead of 1 649 442 816). It covers the largest image there is (3000 x 2000 resized to the
+    cap), and is under half the 4096-token graph."""
+    loaded = open_model(str(files["single-F32"]), LoadParams(batch_size=64, kv_size=256, num_threads=THREADS,
+                                                             flash_attention=int(flash)), allocate=False)
+    try:
+        tower = loaded.images.tower
+        reserved = loaded.memory.cpu.vision_graph
+        assert reserved == max(loaded.image_graph.values()) > 0
+        assert reserved < (0.8 if flash else 1.5) * 2**30
+
+        def graph_of(height: int, width: int) -> int:
+            with tower.compute_backend.reserving() as needs:
+                ctx, _, out = tower._graph_for((3, height, width))
+                ctx.reserve(out)
+            return max(needs.values())
+
+        width, height = tower.size(decode_image(png_bytes(smooth_image(3000, 2000))))
+        assert graph_of(height, width) <= reserved
+        assert 2 * reserved < graph_of(64 * 28, 64 * 28)  # llama.cpp's 4096-token worst case
+    finally:
+        loaded.close()
 
 
 def prompt_inputs_of(rows: int, cols: int):
@@ -133,7 +193,8 @@ def test_tower_matches_mtmd(files, weight_type, flash):
 
     if MTMD_JPEG is None:
         pytest.skip("llama.cpp's source (tools/mtmd/test-1.jpeg) is not under build/src")
-    reference = MtmdReference(files["text"], files[f"mmproj-{weight_type}"], flash_attention=flash, threads=THREADS)
+    reference = MtmdReference(files["text"], files[f"mmproj-{weight_type}"], flash_attention=flash, threads=THREADS,
+                              image_max_tokens=CAP)
     towers = [our_tower(files[f"{layout}-{weight_type}"], flash) for layout in ("mmproj", "single")]
     try:
         for name, make in TOWER_IMAGES.items():
@@ -165,7 +226,8 @@ def test_prompt_with_images_matches_mtmd(files, names, layout):
         pytest.skip("llama.cpp's source (tools/mtmd/test-1.jpeg) is not under build/src")
     images = [IMAGES[name]() if name in IMAGES else TOWER_IMAGES[name]() for name in names]
     encoded = [png_bytes(image.pixels) for image in images]  # lossless: the same pixels again
-    reference = MtmdReference(files["text"], files["mmproj-F32"], threads=THREADS, n_ctx=2048, n_batch=1024)
+    reference = MtmdReference(files["text"], files["mmproj-F32"], threads=THREADS, n_ctx=2048, n_batch=1024,
+                              image_max_tokens=CAP)
     text_file = files["single-F32"] if layout == "single" else files["text"]
     model = load_model(text_file, num_threads=THREADS)
     model.backend.load()
@@ -263,7 +325,8 @@ def test_runner_answers_about_images_as_llama_cpp(runner, files, names):
     from ollama_engine.tokenizer import from_metadata
 
     images = [IMAGES[name]() if name in IMAGES else TOWER_IMAGES[name]() for name in names]
-    reference = MtmdReference(files["text"], files["mmproj-F32"], threads=THREADS, n_ctx=1024, n_batch=64)
+    reference = MtmdReference(files["text"], files["mmproj-F32"], threads=THREADS, n_ctx=1024, n_batch=64,
+                              image_max_tokens=CAP)
     prompt = "Look at " + " and ".join("{}" for _ in images) + ". What do you see?"
     try:
         marker = reference.mtmd.mtmd_default_marker().decode()
