@@ -562,8 +562,6 @@ class Tensor:
         ctx = image._graph(self)
         return Tensor(ctx, ops.conv_2d(ctx.handle, self.handle, image.handle, stride, stride, padding, padding, 1, 1))
 
-    def avg_pool2d(self, kernel: int) -> Tensor:
-        """The mean of each kernel x kernel square of dims 0 and 1, squares side by side (stride = kernel)."""
     def im2col(self, image: Tensor, stride: int, dtype: DType = DType.F32) -> Tensor:
         """The kernel-sized windows of image (width, height, channels, images) at `stride`, each one flattened
         (ggml_im2col, 2-D, no padding; only self's shape (kernel width, height, channels) is read):
@@ -575,6 +573,8 @@ class Tensor:
         handle = ops.im2col(ctx.handle, self.handle, image.handle, stride, stride, 0, 0, 1, 1, True, int(dtype))
         return Tensor(ctx, handle)
 
+    def avg_pool2d(self, kernel: int) -> Tensor:
+        """The mean of each kernel x kernel square of dims 0 and 1, squares side by side (stride = kernel)."""
         if kernel < 1 or self.ne[0] < kernel or self.ne[1] < kernel:
             raise ShapeError(f"avg_pool2d: kernel {kernel} for {self.shape}")
         return self._new(ops.pool_2d(self._graph().handle, self.handle, ops.POOL_AVG, kernel, kernel, kernel, kernel,
