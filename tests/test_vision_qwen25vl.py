@@ -150,6 +150,36 @@ def test_images_over_the_cap_are_resized_down_as_mtmd_capped(files):
             tower.close()
 
 
+@pytest.mark.reference
+def test_ollama_files_max_pixels_sets_the_cap(files, tmp_path):
+    """Ollama's file may say vision.max_pixels (its process_image.go reads it): 28 x 28 x 1280 caps images at
+    1280 tokens, the grid mtmd picks with image_max_tokens 1280."""
+    from gguf import GGUFValueType
+    from synthetic.vision import _write
+    from vision_reference import MtmdReference
+
+    from ollama_engine.fs.gguf_file import GGUFFile
+
+    source = GGUFFile.open(files["single-F32"])
+    arch = source.architecture
+    keys: list = [(k, v, *source.value_types[k]) for k, v in source.metadata.items()
+                  if k not in ("general.architecture", "general.alignment")]
+    keys.append((f"{arch}.vision.max_pixels", 28 * 28 * 1280, GGUFValueType.UINT32, None))
+    tensors = [(info.name, info.shape, info.file_type, np.array(source.tensor_data(info.name)))
+               for info in source.tensors.values()]
+    tower = load_vision(_write(tmp_path / "max-pixels.gguf", arch, keys, tensors), allocate=False)
+    reference = MtmdReference(files["text"], files["mmproj-F32"], threads=THREADS, n_ctx=4096, image_max_tokens=1280)
+    try:
+        assert tower.max_tokens == 1280
+        image = decode_image(png_bytes(smooth_image(3000, 2000)))
+        rows, cols = tower.grid(image)
+        assert rows * cols <= 1280
+        assert mtmd_grids(reference, image) == [(rows * cols, rows, cols, max(rows, cols))]
+    finally:
+        reference.close()
+        tower.close()
+
+
 @pytest.mark.parametrize("flash", [False, True], ids=["plain", "flash"])
 def test_reserved_image_graph_is_bounded_by_the_cap(files, flash):
     """The memory report's VisionGraph is the graph of a CAP-token image (10 696 patches), not of llama.cpp's
