@@ -157,33 +157,51 @@ def measure(size: str, flash: bool, threads: int, rounds: int, jpeg: bytes) -> d
     return times
 
 
-def main() -> None:
-    from test_vision import MTMD_JPEG
+HEADER = ("| tower | flash | encode ours ms | encode llama.cpp ms | ratio (quartiles) | ttft ours ms | "
+          "ttft llama.cpp ms | ratio (quartiles) |\n|---|---|---|---|---|---|---|---|")
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+def arguments(description: str, **defaults: object) -> argparse.Namespace:
+    """The options every vision benchmark takes (each script adds its defaults)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="small,medium")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--flash", default="off,on")
-    args = parser.parse_args()
+    parser.set_defaults(**defaults)
+    return parser.parse_args()
+
+
+def mtmd_jpeg() -> bytes:
+    from test_vision import MTMD_JPEG
+
     if MTMD_JPEG is None:
         sys.exit("mtmd's test-1.jpeg is not under build/src (run dev.py to unpack llama.cpp's source)")
-    jpeg = MTMD_JPEG.read_bytes()
-    print("| tower | flash | encode ours ms | encode llama.cpp ms | ratio (quartiles) | ttft ours ms | "
-          "ttft llama.cpp ms | ratio (quartiles) |\n|---|---|---|---|---|---|---|---|")
+    return MTMD_JPEG.read_bytes()
+
+
+def row(label: str, size: str, flash: bool, args: argparse.Namespace, jpeg: bytes) -> str:
+    """One table row: medians of both engines and the ratio llama.cpp / ours with its quartiles."""
+    times = measure(size, flash, args.threads, args.rounds, jpeg)
+    cells = []
+    for what in ("encode", "ttft"):
+        ours, theirs = times[f"{what} ours"], times[f"{what} llama.cpp"]
+        ratios = sorted(t / o for o, t in zip(ours, theirs, strict=True))
+        quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+        cells += [f"{1000 * statistics.median(ours):.1f}", f"{1000 * statistics.median(theirs):.1f}",
+                  f"{statistics.median(ratios):.2f} ({quartiles[0]:.2f}-{quartiles[2]:.2f})"]
+    return f"| {label} | {'on' if flash else 'off'} | " + " | ".join(cells) + " |"
+
+
+def main() -> None:
+    args = arguments(__doc__)
+    jpeg = mtmd_jpeg()
+    print(HEADER)
     for size in args.sizes.split(","):
+        layers, width, _, _, side, patch = SIZES[size]
         for flash in (f == "on" for f in args.flash.split(",")):
-            times = measure(size, flash, args.threads, args.rounds, jpeg)
-            cells = []
-            for what in ("encode", "ttft"):
-                ours, theirs = times[f"{what} ours"], times[f"{what} llama.cpp"]
-                ratios = sorted(t / o for o, t in zip(ours, theirs, strict=True))
-                quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
-                cells += [f"{1000 * statistics.median(ours):.1f}", f"{1000 * statistics.median(theirs):.1f}",
-                          f"{statistics.median(ratios):.2f} ({quartiles[0]:.2f}-{quartiles[2]:.2f})"]
-            layers, width, _, _, side, patch = SIZES[size]
-            print(f"| {layers}×{width}, {side}² ({(side // patch) ** 2} patches) | {'on' if flash else 'off'} | "
-                  + " | ".join(cells) + " |", flush=True)
+            print(row(f"{layers}×{width}, {side}² ({(side // patch) ** 2} patches)", size, flash, args, jpeg),
+                  flush=True)
 
 
 if __name__ == "__main__":

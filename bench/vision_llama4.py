@@ -11,8 +11,6 @@ Usage (on a quiet machine: /tmp/mine/quiet.sh for RESULTS.md):
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -28,6 +26,8 @@ import vision  # noqa: E402 - bench/vision.py: the engines and the interleaved r
 # (layers, width, heads, ffn, tile, patch) of the tower; the text model is as wide
 LAYERS, WIDTH, HEADS, FFN, TILE, PATCH = 6, 384, 6, 1536, 336, 14
 vision.PROMPT = "Describe this image in detail: <__media__>"
+
+LABEL = f"Llama 4 {LAYERS}×{WIDTH}, tiles {TILE}/{PATCH}, 640×488 (2×2 tiles + thumbnail, 720 tokens)"
 
 
 def files(size: str) -> tuple[Path, Path]:
@@ -58,31 +58,13 @@ def encode_all_chunks(self: vision.Theirs, rgb: np.ndarray) -> float:
 
 
 def main() -> None:
-    from test_vision import MTMD_JPEG
-
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--flash", default="off,on")
-    args = parser.parse_args()
-    if MTMD_JPEG is None:
-        sys.exit("mtmd's test-1.jpeg is not under build/src (run dev.py to unpack llama.cpp's source)")
+    args = vision.arguments(__doc__, rounds=5)
+    jpeg = vision.mtmd_jpeg()
     vision.files = files
     vision.Theirs.encode = encode_all_chunks  # type: ignore[method-assign]
-    jpeg = MTMD_JPEG.read_bytes()
-    print("| tower | flash | encode ours ms | encode llama.cpp ms | ratio (quartiles) | ttft ours ms | "
-          "ttft llama.cpp ms | ratio (quartiles) |\n|---|---|---|---|---|---|---|---|")
+    print(vision.HEADER)
     for flash in (f == "on" for f in args.flash.split(",")):
-        times = vision.measure("llama4", flash, args.threads, args.rounds, jpeg)
-        cells = []
-        for what in ("encode", "ttft"):
-            ours, theirs = times[f"{what} ours"], times[f"{what} llama.cpp"]
-            ratios = sorted(t / o for o, t in zip(ours, theirs, strict=True))
-            quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
-            cells += [f"{1000 * statistics.median(ours):.1f}", f"{1000 * statistics.median(theirs):.1f}",
-                      f"{statistics.median(ratios):.2f} ({quartiles[0]:.2f}-{quartiles[2]:.2f})"]
-        print(f"| Llama 4 {LAYERS}×{WIDTH}, tiles {TILE}/{PATCH}, 640×488 (2×2 tiles + thumbnail, 720 tokens) | "
-              f"{'on' if flash else 'off'} | " + " | ".join(cells) + " |", flush=True)
+        print(vision.row(LABEL, "llama4", flash, args, jpeg), flush=True)
 
 
 if __name__ == "__main__":
