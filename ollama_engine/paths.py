@@ -9,7 +9,6 @@ from ollama_engine import envconfig
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUILD_DIR = envconfig.build_dir(REPO_ROOT / "build")
 SOURCE_ROOT = BUILD_DIR / "src"
-GGML_LIB_DIR = Path(__file__).resolve().parent / "ggml" / "lib"
 
 
 def llama_cpp_source() -> Path:

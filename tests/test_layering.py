@@ -77,6 +77,17 @@ def test_store_and_template_use_only_fs_tokenizer_and_each_other():
     assert not problems, "\n".join(problems)
 
 
+def test_the_installed_engine_needs_neither_the_tests_nor_the_build_tree():
+    """The wheel holds ollama_engine alone: the synthetic writer lives in tests/, llama.cpp's source (vocab files,
+    the reference) in build/; only the build script and the tests ask ollama_engine.paths where those are."""
+    problems = []
+    for module, path in source_modules():
+        for target in imports(path):
+            if target.split(".")[0] in ("synthetic", "tests") or target == "ollama_engine.paths":
+                problems.append(f"{path}: {module} imports {target}")
+    assert not problems, "\n".join(problems)
+
+
 def test_only_the_ggml_package_touches_cffi():
     offenders = [
         str(path) for module, path in source_modules()

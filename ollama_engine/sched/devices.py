@@ -11,16 +11,17 @@ import dataclasses
 import logging
 import re
 from collections.abc import Sequence
+from pathlib import Path
 
 from ollama_engine.llm.discovery import _nvml_refreshed, discover_gpus
 from ollama_engine.llm.runner_handle import RunnerHandle
 from ollama_engine.ml.memory import DeviceInfo
-from ollama_engine.paths import GGML_LIB_DIR
 
 from .types import RunnerRef
 
 log = logging.getLogger(__name__)
 
+GGML_LIB_DIR = Path(__file__).resolve().parent.parent / "ggml" / "lib"  # where build_ggml.py installs ggml
 _GPU_BACKEND = re.compile(r"libggml-(cuda|hip|vulkan|metal|sycl|opencl|musa|cann)\b")
 
 
