@@ -344,7 +344,8 @@ def declared_tensors(spec: ModelSpec, n_vocab: int) -> Iterator[tuple[str, tuple
 
     def names(classes: tuple[type, ...], i: int) -> list[str]:
         found = {field.metadata["gguf"] for cls in classes for field in dataclasses.fields(cls)
-                 if not field.metadata["optional"] or OPTIONAL.get(field.metadata["gguf"], _never)(spec, i)}
+                 if (not field.metadata["optional"] and not _left_out(spec, field.metadata["gguf"]))
+                 or OPTIONAL.get(field.metadata["gguf"], _never)(spec, i)}
         unknown = sorted(found - set(SHAPES))
         if unknown:
             raise ValueError(f"{spec.arch}: no shape rule for {unknown} (tests/synthetic/declared.py SHAPES)")
@@ -358,6 +359,11 @@ def declared_tensors(spec: ModelSpec, n_vocab: int) -> Iterator[tuple[str, tuple
         for name in layer:
             if name not in copied:
                 yield (f"blk.{i}.{name}", *SHAPES[name](spec, i))
+
+
+def _left_out(spec: ModelSpec, name: str) -> bool:
+    """A required tensor the spec says to leave out: a file a model must refuse (qkv_bias=False on qwen2)."""
+    return name in ("attn_q.bias", "attn_k.bias", "attn_v.bias") and not spec.qkv_bias
 
 
 def _never(spec: Any, i: int) -> bool:

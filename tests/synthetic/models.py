@@ -250,7 +250,7 @@ _EXPERTS_8_2 = {"n_expert": 8, "n_expert_used": 2, "n_ff_exp": 32}
 
 _tiny_qwen2 = _tiny("qwen2", "qwen2", qkv_bias=True, **_QWEN)
 _tiny_qwen3 = _tiny("qwen3", "qwen2", head_dim=32, qk_norm=True, **_QWEN)
-_tiny_bert = _tiny("bert", "bert-bge", n_head_kv=4, eps=1e-12)
+_tiny_bert = _tiny("bert", "bert-bge", n_head_kv=4, eps=1e-12, qkv_bias=True)
 _tiny_olmo2 = _tiny("olmo2", "gpt-2", rope_base=500000.0, eps=1e-6, tied_embeddings=False, qk_norm=True)
 _tiny_lfm2 = _tiny("lfm2", "gpt-2", n_layer=4, rope_base=1000000.0, attention_layers=(1, 3))
 _tiny_nemotron_h = _tiny("nemotron_h", "gpt-2", n_layer=6, tied_embeddings=False, attention_layers=(3,),
