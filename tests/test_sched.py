@@ -716,12 +716,13 @@ def test_no_head_of_line_blocking_and_draining(tmp_path):
                 return [DeviceInfo(device_id=METAL, total_memory=24 * GB, free_memory=24 * GB)]
 
             s.get_gpu_fn = roomy
-            s.new_server_fn = huge.new_server
+            # once big has drained, huge loads and big reloads, in whichever order the scheduler takes them
+            reloaded_srv = MockLlm(vram_size=1 * GB)
+            servers = {huge.req.model.model_path: huge.new_server, big.req.model.model_path: lambda *a: reloaded_srv}
+            s.new_server_fn = lambda *args: servers[args[2]](*args)
             big.ctx_done()
             assert (await result(huge_req)).llama is huge.srv
             assert big.srv.close_called
-            reloaded_srv = MockLlm(vram_size=1 * GB)
-            s.new_server_fn = lambda *args: reloaded_srv
             assert (await result(again)).llama is reloaded_srv
 
     run(body())
