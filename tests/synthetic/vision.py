@@ -10,9 +10,10 @@ import contextlib
 import math
 import os
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -130,14 +131,15 @@ def _write(path: Path, arch: str, keys: list[tuple[str, object, GGUFValueType, G
     return path
 
 
-def write_mmproj(path: str | os.PathLike[str], spec: VisionSpec = VisionSpec(), *,  # noqa: B008 - frozen
-                 weight_type: str = "F32", seed: int = 0) -> Path:
-    """A separate projector GGUF as llama.cpp's converter writes it (general.architecture "clip")."""
+def clip_keys(projector: str, activation: str, spec: Any, extra: tuple[str, int],
+              mean: Sequence[float], std: Sequence[float]) -> list[tuple[str, object, GGUFValueType, Any]]:
+    """The clip.* keys every tower's mmproj has, in llama.cpp's converter's order; `activation` is the flag's
+    name (use_gelu, use_silu) and `extra` the tower's own clip.vision.* key before the normalisation."""
     u32, f32, b = GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.BOOL
-    keys = [
-        ("clip.projector_type", spec.projector, GGUFValueType.STRING, None),
+    return [
+        ("clip.projector_type", projector, GGUFValueType.STRING, None),
         ("clip.has_vision_encoder", True, b, None),
-        ("clip.use_gelu", True, b, None),
+        (f"clip.{activation}", True, b, None),
         ("clip.vision.embedding_length", spec.n_embd, u32, None),
         ("clip.vision.feed_forward_length", spec.n_ff, u32, None),
         ("clip.vision.block_count", spec.n_layer, u32, None),
@@ -146,10 +148,16 @@ def write_mmproj(path: str | os.PathLike[str], spec: VisionSpec = VisionSpec(), 
         ("clip.vision.image_size", spec.image_size, u32, None),
         ("clip.vision.patch_size", spec.patch_size, u32, None),
         ("clip.vision.projection_dim", spec.text_embd, u32, None),
-        ("clip.vision.projector.scale_factor", spec.merge, u32, None),
-        ("clip.vision.image_mean", list(spec.mean), GGUFValueType.ARRAY, f32),
-        ("clip.vision.image_std", list(spec.std), GGUFValueType.ARRAY, f32),
+        (f"clip.vision.{extra[0]}", extra[1], u32, None),
+        ("clip.vision.image_mean", list(mean), GGUFValueType.ARRAY, f32),
+        ("clip.vision.image_std", list(std), GGUFValueType.ARRAY, f32),
     ]
+
+
+def write_mmproj(path: str | os.PathLike[str], spec: VisionSpec = VisionSpec(), *,  # noqa: B008 - frozen
+                 weight_type: str = "F32", seed: int = 0) -> Path:
+    """A separate projector GGUF as llama.cpp's converter writes it (general.architecture "clip")."""
+    keys = clip_keys(spec.projector, "use_gelu", spec, ("projector.scale_factor", spec.merge), spec.mean, spec.std)
     tensors = [_stored(t, t.name, weight_type, seed) for t in _tensors(spec)]
     return _write(Path(path), "clip", keys, tensors)
 

@@ -13,7 +13,7 @@ from gguf import GGUFValueType
 
 from ollama_engine.fs.gguf_file import GGUFFile
 
-from .vision import _stored, _Tensor, _write
+from .vision import _stored, _Tensor, _write, clip_keys
 
 
 @dataclass(frozen=True)
@@ -88,23 +88,7 @@ def _stored_any(t: _Tensor, name: str, weight_type: str, seed: int) -> tuple:
 def write_llama4_mmproj(path: str | os.PathLike[str], spec: Llama4VisionSpec = Llama4VisionSpec(), *,  # noqa: B008
                         weight_type: str = "F32", seed: int = 0) -> Path:
     """A separate projector GGUF as llama.cpp's converter writes Llama 4's (clip.projector_type llama4)."""
-    u32, f32, b = GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.BOOL
-    keys = [
-        ("clip.projector_type", "llama4", GGUFValueType.STRING, None),
-        ("clip.has_vision_encoder", True, b, None),
-        ("clip.use_gelu", True, b, None),
-        ("clip.vision.embedding_length", spec.n_embd, u32, None),
-        ("clip.vision.feed_forward_length", spec.n_ff, u32, None),
-        ("clip.vision.block_count", spec.n_layer, u32, None),
-        ("clip.vision.attention.head_count", spec.n_head, u32, None),
-        ("clip.vision.attention.layer_norm_epsilon", spec.eps, f32, None),
-        ("clip.vision.image_size", spec.image_size, u32, None),
-        ("clip.vision.patch_size", spec.patch_size, u32, None),
-        ("clip.vision.projection_dim", spec.text_embd, u32, None),
-        ("clip.vision.projector.scale_factor", spec.merge, u32, None),
-        ("clip.vision.image_mean", list(spec.mean), GGUFValueType.ARRAY, f32),
-        ("clip.vision.image_std", list(spec.std), GGUFValueType.ARRAY, f32),
-    ]
+    keys = clip_keys("llama4", "use_gelu", spec, ("projector.scale_factor", spec.merge), spec.mean, spec.std)
     tensors = [_stored_any(t, t.name, weight_type, seed) for t in _tensors(spec)]
     return _write(Path(path), "clip", keys, tensors)
 

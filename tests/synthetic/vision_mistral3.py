@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType, GGUFValueType
 
 from ollama_engine.fs.gguf_file import GGUFFile
 
-from .vision import _stored, _Tensor, _write
+from .vision import _stored, _Tensor, _write, clip_keys
 
 IMG_BREAK_ID = 12  # Ollama's fixed id where the vocabulary has no [IMG_BREAK] (as the synthetic vocabularies)
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -87,23 +87,7 @@ def _img_break(text: GGUFFile) -> np.ndarray:
 def write_mmproj(path: str | os.PathLike[str], text_path: str | os.PathLike[str],
                  spec: PixtralSpec = PixtralSpec(), *, weight_type: str = "F32", seed: int = 0) -> Path:  # noqa: B008
     """A separate projector GGUF as llama.cpp's converter writes Mistral Small 3.1's."""
-    u32, f32, b = GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.BOOL
-    keys = [
-        ("clip.projector_type", "pixtral", GGUFValueType.STRING, None),
-        ("clip.has_vision_encoder", True, b, None),
-        ("clip.use_silu", True, b, None),
-        ("clip.vision.embedding_length", spec.n_embd, u32, None),
-        ("clip.vision.feed_forward_length", spec.n_ff, u32, None),
-        ("clip.vision.block_count", spec.n_layer, u32, None),
-        ("clip.vision.attention.head_count", spec.n_head, u32, None),
-        ("clip.vision.attention.layer_norm_epsilon", spec.eps, f32, None),
-        ("clip.vision.image_size", spec.image_size, u32, None),
-        ("clip.vision.patch_size", spec.patch_size, u32, None),
-        ("clip.vision.projection_dim", spec.text_embd, u32, None),
-        ("clip.vision.spatial_merge_size", spec.merge, u32, None),
-        ("clip.vision.image_mean", list(CLIP_MEAN), GGUFValueType.ARRAY, f32),
-        ("clip.vision.image_std", list(CLIP_STD), GGUFValueType.ARRAY, f32),
-    ]
+    keys = clip_keys("pixtral", "use_silu", spec, ("spatial_merge_size", spec.merge), CLIP_MEAN, CLIP_STD)
     tensors = [_stored(t, t.name, weight_type, seed) for t in _tensors(spec)]
     brk = _img_break(GGUFFile.open(text_path))
     tensors.append(("v.token_embd.img_break", brk.shape, GGMLQuantizationType.F32, brk))

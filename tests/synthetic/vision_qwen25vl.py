@@ -19,7 +19,7 @@ from gguf import GGUFValueType
 
 from ollama_engine.fs.gguf_file import GGUFFile
 
-from .vision import _stored, _Tensor, _write
+from .vision import _stored, _Tensor, _write, clip_keys
 
 QWEN_MEAN = (0.48145466, 0.4578275, 0.40821073)  # Qwen2.5-VL's preprocessor_config (CLIP's)
 QWEN_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -81,23 +81,7 @@ def _ollama_name(name: str) -> str:
 def write_mmproj(path: str | os.PathLike[str], spec: Qwen25VLSpec = Qwen25VLSpec(), *,  # noqa: B008 - frozen
                  weight_type: str = "F32", seed: int = 0) -> Path:
     """A separate projector GGUF as llama.cpp's converter writes Qwen2.5-VL's."""
-    u32, f32, b = GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.BOOL
-    keys = [
-        ("clip.projector_type", "qwen2.5vl_merger", GGUFValueType.STRING, None),
-        ("clip.has_vision_encoder", True, b, None),
-        ("clip.use_silu", True, b, None),
-        ("clip.vision.embedding_length", spec.n_embd, u32, None),
-        ("clip.vision.feed_forward_length", spec.n_ff, u32, None),
-        ("clip.vision.block_count", spec.n_layer, u32, None),
-        ("clip.vision.attention.head_count", spec.n_head, u32, None),
-        ("clip.vision.attention.layer_norm_epsilon", spec.eps, f32, None),
-        ("clip.vision.image_size", spec.image_size, u32, None),
-        ("clip.vision.patch_size", spec.patch_size, u32, None),
-        ("clip.vision.projection_dim", spec.text_embd, u32, None),
-        ("clip.vision.n_wa_pattern", spec.wa_pattern, u32, None),
-        ("clip.vision.image_mean", list(QWEN_MEAN), GGUFValueType.ARRAY, f32),
-        ("clip.vision.image_std", list(QWEN_STD), GGUFValueType.ARRAY, f32),
-    ]
+    keys = clip_keys("qwen2.5vl_merger", "use_silu", spec, ("n_wa_pattern", spec.wa_pattern), QWEN_MEAN, QWEN_STD)
     tensors = [_stored(t, t.name, weight_type, seed) for t in _tensors(spec)]
     return _write(Path(path), "clip", keys, tensors)
 
