@@ -169,8 +169,13 @@ def test_rejected_drafts_roll_back_both_caches(plain, drafted):
     assert held[:len(held) - 8] == history[:len(held) - 8]  # what the draft cache holds is the sequence's text
 
 
-def test_greedy_batched_two_speculating(plain, drafted):
-    """Two sequences at once, each drafting and verifying in the same batches, against each alone without drafts."""
+def test_greedy_batched_two_speculating(plain, drafted, monkeypatch):
+    """Two sequences at once, each drafting and verifying in the same batches, against each alone without drafts.
+    The draft model drafts for both in one batch of its own (a row per sequence), not one sequence after the other."""
+    draft = drafted.loaded.draft
+    widths: list[int] = []  # sequences per batch of the draft model
+    compute = draft._compute
+    monkeypatch.setattr(draft, "_compute", lambda rows: widths.append(len(rows)) or compute(rows))
     prompts = [COPY, CHAT]
     alone = [Run(plain, p, False, num_predict=40) for p in prompts]
     with ThreadPoolExecutor(len(prompts)) as pool:
@@ -179,6 +184,25 @@ def test_greedy_batched_two_speculating(plain, drafted):
         assert b.logprobs == a.logprobs
     assert_drafted(*together)
     assert all(b.seq.spec.drafted for b in together), "each sequence speculates"
+    assert max(widths) == 2 and widths.count(2) >= 5, widths
+
+
+def test_draft_many_batches_every_sequence(drafted):
+    """Two slots with the same history draft in shared batches: the same drafts for both (their rows are computed
+    alike in one batch), each cache then holding the history and the drafts but the last."""
+    draft = drafted.loaded.draft
+    history = drafted.tokenizer.encode(CHAT, add_special=True)
+    calls: list[list[tuple[int, list[int]]]] = []
+    compute = draft._compute
+    draft._compute = lambda rows: calls.append(rows) or compute(rows)
+    try:
+        first, second = draft.draft_many([(0, history, 5), (1, history, 5)])
+    finally:
+        del draft._compute
+    assert first == second and len(first) >= 1
+    assert all(len(rows) == 2 for rows in calls)  # the catch-up and every step: both sequences in one batch
+    for slot in (0, 1):
+        assert draft._held[slot] == history + first[:-1]
 
 
 def test_greedy_with_a_json_grammar(plain, drafted):

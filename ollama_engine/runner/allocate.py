@@ -192,8 +192,9 @@ def open_draft(target: Model, params: LoadParams, parallel: int, num_ctx: int, b
             raise ValueError(f"{params.draft_path}: a draft model needs a KV cache (a causal language model)")
         model.cache.init(model.backend, cache_dtype(params.kv_cache_type_k or params.kv_cache_type), parallel,
                          num_ctx, batch_size, value_dtype=cache_dtype(params.kv_cache_type_v or params.kv_cache_type))
-        reserve_graph(model, tokens=batch_size, outputs=1).close()  # catching up with a prompt
-        reserve_graph(model, tokens=1, outputs=1).close()  # a draft step
+        decode = min(parallel, batch_size)  # every sequence drafts in the same batches (runner/draft.py)
+        reserve_graph(model, tokens=batch_size, outputs=decode).close()  # catching up with prompts
+        reserve_graph(model, tokens=decode, outputs=decode, sequences=decode).close()  # a draft step
     except BaseException:
         model.close()
         raise

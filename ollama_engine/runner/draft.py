@@ -7,6 +7,11 @@ previous request's text), evaluates the rest of the history in prompt-sized batc
 one token at a time. Which tokens it proposes does not change what the target generates (the target
 verifies every draft, runner/speculate.py), so the draft model's own batches need no exactness: only speed.
 
+Every sequence that drafts after a step of the runner drafts in the same batches (`DraftModel.draft_many`):
+their catch-up rows share a prompt-sized batch, and each greedy step is one batch with a row per sequence
+still drafting, as the target decodes several sequences at once. A step then costs little more than one
+sequence's (decoding reads the weights once for every row).
+
 Drafting stops early where the draft model is unsure (its top token's probability below `P_MIN`, as
 llama.cpp's `--draft-p-min`): an unsure draft token is likely rejected, and it costs a draft step and a
 verify row. The time a draft step takes is measured, so the speculation controller weighs it
@@ -55,50 +60,92 @@ class DraftModel:
         self.batch_size = batch_size
         self._held: list[list[int]] = [[] for _ in range(parallel)]
         self.step_seconds = 0.0
-        """Measured seconds per one-token draft step (moving average; 0 before the first)."""
+        """Measured seconds per draft step (a row per drafting sequence; moving average, 0 before the first)."""
+
+    def draft_together(self, requests: list[tuple[ModelDrafter, int]]) -> list[list[int]]:
+        """runner/speculate.DraftGroup: the drafts of several sequences' drafters, in shared batches."""
+        return self.draft_many([(drafter.slot, drafter.tokens, limit) for drafter, limit in requests])
 
     def draft(self, slot: int, history: list[int], limit: int) -> list[int]:
         """Up to `limit` tokens the draft model expects after `history` (greedy, stopping where it is unsure)."""
-        if limit <= 0 or not history:
-            return []
+        return self.draft_many([(slot, history, limit)])[0]
+
+    def draft_many(self, requests: list[tuple[int, list[int], int]]) -> list[list[int]]:
+        """For each (slot, history, limit), up to `limit` greedy tokens after `history`: every sequence's
+        catch-up and draft steps in shared batches (one row per sequence and step)."""
+        drafts: list[list[int]] = [[] for _ in requests]
+        logits: dict[int, np.ndarray] = {}  # request -> the logits after its history's last token
+        wanted = [i for i, (_, history, limit) in enumerate(requests) if limit > 0 and history]
+        for i in wanted:
+            self._keep_common_prefix(*requests[i][:2])
+        behind = list(wanted)
+        while behind:  # evaluate what the caches lack, `batch_size` rows at a time
+            rows: list[tuple[int, list[int]]] = []
+            room = self.batch_size
+            for i in behind:
+                slot, history, _ = requests[i]
+                held = self._held[slot]
+                chunk = history[len(held):len(held) + room]
+                rows.append((i, chunk))
+                room -= len(chunk)
+                if room == 0:
+                    break
+            out = self._compute([(requests[i][0], chunk) for i, chunk in rows])
+            for (i, chunk), row in zip(rows, out, strict=True):
+                slot, history, _ = requests[i]
+                self._held[slot].extend(chunk)
+                if len(self._held[slot]) == len(history):
+                    logits[i] = row.copy()  # the next batch overwrites the output buffer
+            behind = [i for i in behind if i not in logits]
+        while logits:  # one greedy step for every sequence still drafting
+            stepping: list[int] = []
+            for i, row in logits.items():
+                token, sure = sure_greedy(row)
+                drafts[i].append(token)
+                if len(drafts[i]) < requests[i][2] and sure:
+                    stepping.append(i)
+            if not stepping:
+                break
+            started = time.monotonic()
+            out = self._compute([(requests[i][0], [drafts[i][-1]]) for i in stepping])
+            self.record_step(time.monotonic() - started)
+            for i in stepping:
+                self._held[requests[i][0]].append(drafts[i][-1])
+            logits = dict(zip(stepping, out, strict=True))
+        return drafts
+
+    def _keep_common_prefix(self, slot: int, history: list[int]) -> None:
+        """Remove the slot's cells past what it shares with the history (always re-evaluating the history's last
+        token: drafting needs its logits)."""
         held = self._held[slot]
         common = 0
         for a, b in zip(held, history, strict=False):
             if a != b:
                 break
             common += 1
-        common = min(common, len(history) - 1)  # the last token is evaluated again: its logits are needed
+        common = min(common, len(history) - 1)
         if common < len(held):
             self.model.cache.remove(slot, common)
             del held[common:]
-        logits = None
-        while len(held) < len(history):
-            chunk = history[len(held):len(held) + self.batch_size]
-            logits = self._compute(slot, chunk)
-            held.extend(chunk)
-        drafts: list[int] = []
-        while True:
-            token, sure = sure_greedy(logits)
-            drafts.append(token)
-            if len(drafts) == limit or not sure:
-                return drafts
-            started = time.monotonic()
-            logits = self._compute(slot, [token])
-            held.append(token)
-            self.record_step(time.monotonic() - started)
 
     def record_step(self, seconds: float) -> None:
         """One draft step took this long."""
         self.step_seconds = seconds if not self.step_seconds else DECAY * self.step_seconds + (1 - DECAY) * seconds
 
-    def _compute(self, slot: int, tokens: list[int]) -> np.ndarray:
-        """Evaluate tokens at the slot's next positions; the logits of the last one."""
-        start = len(self._held[slot])
-        batch = Batch(positions=np.arange(start, start + len(tokens)), sequences=np.full(len(tokens), slot),
-                      outputs=[len(tokens) - 1], tokens=np.asarray(tokens))
+    def _compute(self, rows: list[tuple[int, list[int]]]) -> np.ndarray:
+        """Evaluate each (slot, tokens) at the slot's next positions, in one batch; per entry, the logits of its
+        last token (a view, valid until the next compute)."""
+        positions, sequences, outputs, tokens = [], [], [], []
+        for slot, chunk in rows:
+            start = len(self._held[slot])
+            positions.extend(range(start, start + len(chunk)))
+            sequences.extend([slot] * len(chunk))
+            tokens.extend(chunk)
+            outputs.append(len(tokens) - 1)
+        batch = Batch(positions=positions, sequences=sequences, outputs=outputs, tokens=tokens)
         logits = self.model.graphs.compute(batch, copy=False)
         assert logits is not None
-        return logits[0]
+        return logits
 
     def close(self) -> None:
         self.model.close()
@@ -129,6 +176,11 @@ class ModelDrafter:
     @property
     def seconds_per_token(self) -> float:
         return self.model.step_seconds
+
+    @property
+    def group(self) -> DraftModel:
+        """Every sequence's drafter shares the draft model: they draft in one batch."""
+        return self.model
 
     def append(self, token: int) -> None:
         self.tokens.append(token)

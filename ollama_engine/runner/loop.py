@@ -45,6 +45,7 @@ from ollama_engine.runner.speculate import (
     NgramIndex,
     Speculator,
     StepCost,
+    draft_all,
     verify_rows,
 )
 from ollama_engine.sample import GrammarError, GrammarVocab, NonFiniteLogitsError, calculate_logprobs
@@ -328,10 +329,14 @@ class Runner:
                 self.step_cost.record(len(state.batch), time.monotonic() - started)
             now = time.monotonic()
             with self.cond, self.hold_output():
+                waiting: dict[int, tuple[int, int]] = {}
                 for index, (placeholder, row) in placeholders.items():
                     seq = self.seqs[index]
                     if seq is not None and seq is state.seqs[index]:
-                        self._step(index, seq, placeholder, logits, row, state.drafts.get(index, []), now)
+                        wait = self._step(index, seq, placeholder, logits, row, state.drafts.get(index, []), now)
+                        if wait is not None:
+                            waiting[index] = wait
+                self._queue_drafts(waiting)
                 self.cond.notify()  # a speculating sequence may have its next inputs now
                 sampling = time.monotonic() - now
                 for index in placeholders:
@@ -388,8 +393,10 @@ class Runner:
         return [inp.token for inp in seq.inputs[1:]]
 
     def _step(self, index: int, seq: Sequence, placeholder: Input | None, logits: np.ndarray, row: int,
-              drafts: list[int], now: float) -> None:
-        """Sample the sequence's rows in order, keeping each draft the sampler picks itself; roll back the rest."""
+              drafts: list[int], now: float) -> tuple[int, int] | None:
+        """Sample the sequence's rows in order, keeping each draft the sampler picks itself; roll back the rest.
+
+        Returns (sampled token, tokens to draft after it) for a sequence whose next inputs wait for this step."""
         slot, spec = seq.slot, seq.spec
         assert slot is not None
         if drafts:
@@ -408,16 +415,29 @@ class Runner:
             if accepted < len(drafts):
                 self.cache.kv_cache.remove(slot.id, base + accepted, TO_END)
         if token is None or spec is None:
-            return
+            return None
         limit = min(self.spec_rows - 1, self.num_ctx - len(slot.inputs) - 1)
         if seq.options.num_predict > 0:
             limit = min(limit, seq.options.num_predict - seq.num_predicted - 1)
-        proposed = self._checked(seq, spec.propose(limit, self.step_cost, draft=spec.waiting))
+        k = spec.plan(limit, self.step_cost, draft=spec.waiting)
         if not spec.waiting:
-            return
+            return None
         spec.waiting = False
-        first = Input(token=token, same_batch=len(proposed))
-        seq.inputs = [first] + [Input(token=t) for t in proposed]
+        return token, k
+
+    def _queue_drafts(self, waiting: dict[int, tuple[int, int]]) -> None:
+        """The next inputs of the sequences that waited for this step: the sampled token and its drafts, drafted
+        together (a draft model's sequences in one batch)."""
+        asking = [index for index, (_, k) in waiting.items() if k > 0]
+        specs = {index: self.seqs[index].spec for index in waiting}
+        drafts = dict(zip(asking, draft_all([(specs[i].drafter, waiting[i][1]) for i in asking]), strict=True))
+        for index, (token, _) in waiting.items():
+            proposed = drafts.get(index, [])
+            if index in drafts:
+                specs[index].received(proposed)
+            proposed = self._checked(self.seqs[index], proposed)
+            first = Input(token=token, same_batch=len(proposed))
+            self.seqs[index].inputs = [first] + [Input(token=t) for t in proposed]
 
     def _checked(self, seq: Sequence, drafts: list[int]) -> list[int]:
         """Drafts up to the first end-of-generation token or the first one the grammar rejects."""

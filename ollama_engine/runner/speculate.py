@@ -103,6 +103,11 @@ class Drafter(Protocol):
         """What drafting one token costs (the controller weighs it against the verify rows it saves)."""
         ...
 
+    @property
+    def group(self) -> DraftGroup | None:
+        """What drafts for this drafter and others together (a draft model, in one batch); None: it drafts alone."""
+        ...
+
     def bind(self, slot: int) -> None:
         """The runner slot the sequence got (a draft model keeps the slot's history in its cache)."""
 
@@ -118,10 +123,35 @@ class Drafter(Protocol):
         ...
 
 
+class DraftGroup(Protocol):
+    """Drafts for several sequences at once (runner/draft.DraftModel: their rows in the same batches)."""
+
+    def draft_together(self, requests: list[tuple[Drafter, int]]) -> list[list[int]]:
+        """For each (drafter, limit), what drafter.draft(limit) would propose."""
+        ...
+
+
+def draft_all(requests: list[tuple[Drafter, int]]) -> list[list[int]]:
+    """For each (drafter, limit), up to `limit` drafts; drafters of one group draft together (one call)."""
+    drafts: list[list[int]] = [[] for _ in requests]
+    groups: dict[int, tuple[DraftGroup, list[int]]] = {}
+    for i, (drafter, limit) in enumerate(requests):
+        group = drafter.group
+        if group is None:
+            drafts[i] = drafter.draft(limit)
+        else:
+            groups.setdefault(id(group), (group, []))[1].append(i)
+    for group, members in groups.values():
+        for i, proposed in zip(members, group.draft_together([requests[i] for i in members]), strict=True):
+            drafts[i] = proposed
+    return drafts
+
+
 class NgramIndex:
     """The tokens of one sequence and, per n-gram, where it last ended (the position of the token after it)."""
 
     seconds_per_token = 0.0  # a dictionary lookup
+    group = None  # each sequence looks up its own tokens
 
     def __init__(self, tokens: list[int]) -> None:
         self.tokens: list[int] = []
@@ -187,22 +217,35 @@ class Speculator:
         """Drafts to follow the last token (at most `limit`); records whether the next step should wait.
 
         draft=False only decides that (the next step's input is already queued: drafts now would be wasted)."""
+        k = self.plan(limit, cost, draft)
+        if k == 0:
+            return []
+        drafts = self.drafter.draft(k)
+        self.received(drafts)
+        return drafts
+
+    def plan(self, limit: int, cost: StepCost, draft: bool = True) -> int:
+        """How many tokens to draft now (at most `limit`; 0: none). A sequence whose drafts do not pay pauses.
+
+        draft=False only records whether the next step should wait (`want`) and returns 0."""
         self.want = False
         if self.stopped:
-            return []
+            return 0
         if self._pause > 0:
             self._pause -= 1
-            return []
+            return 0
         k = self.worth(min(limit, self.max_draft), cost)
         if k == 0:
             self._start_pause()
-            return []
+            return 0
         if not draft:
             self.want = self.drafter.ready(k)
-            return []
-        drafts = self.drafter.draft(k)
+            return 0
+        return k
+
+    def received(self, drafts: list[int]) -> None:
+        """The drafter proposed these after plan(): the next step waits to verify them, if there are any."""
         self.want = bool(drafts)
-        return drafts
 
     def worth(self, limit: int, cost: StepCost) -> int:
         """The draft length with the most expected tokens per second, 0 if none beats plain decoding."""
