@@ -8,7 +8,8 @@ the cache's cell indices and mask), and the scheduler keeps its compute buffers.
 
 Use `graphs.compute(batch)` for one batch at a time. The runner's pipeline splits it up: `acquire` (on
 the thread that forms batches) places the batch in the cache and returns a graph, built if needed;
-`graph.bind(batch)`, `graph.run()` and `release(graph)` follow on the compute thread.
+`graph.bind(batch)`, `graph.run()` and `release(graph)` follow on the compute thread, which from then on
+computes every graph in place (ml/compute_threads.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ollama_engine.kvcache import Batch
-from ollama_engine.ml import Context, Tensor
+from ollama_engine.ml import Context, Tensor, compute_here
 
 from .alone import sequence_rows
 
@@ -92,7 +93,11 @@ class Graph:
         batch builder computes cache shifts on its own thread: a copy taken after the compute returned
         could already hold the shift's values). Else a view of the graph's output where that is in host
         memory, valid until the backend computes again: for a caller that computes on one thread.
+
+        The calling thread computes in place from now on (ml/compute_threads.py): a serving loop runs its
+        forward graphs on one thread, and its other computes (cache shifts) must not leave a second pool.
         """
+        compute_here()
         if self.logits is None:
             self.ctx.compute()
             return None

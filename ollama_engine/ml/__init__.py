@@ -3,6 +3,7 @@
 Shapes are in ggml order, fastest dimension first (see tensor.py).
 """
 
+from .compute_threads import compute_here
 from .context import Context
 from .device import Device, cpu_device, devices, gpu_devices
 from .memory import BackendMemory, DeviceID, DeviceMemory, GPULayers, GPULayersList, NoMemory
@@ -12,5 +13,5 @@ from .tensor import DType, RopeOptions, ShapeError, Tensor, hadamard_matrix
 __all__ = [
     "Backend", "BackendMemory", "Context", "DType", "Device", "DeviceID", "DeviceMemory", "GPULayers",
     "GPULayersList", "NoMemory", "Placement", "RopeOptions", "ShapeError", "Tensor", "TensorCapture", "TensorGroups",
-    "cpu_device", "devices", "gpu_devices", "hadamard_matrix",
+    "compute_here", "cpu_device", "devices", "gpu_devices", "hadamard_matrix",
 ]

@@ -24,6 +24,7 @@ from ollama_engine import ggml
 from ollama_engine.ggml import backend as ggml_backend
 from ollama_engine.ggml import ops
 
+from .compute_threads import run_compute
 from .memory import NoMemory
 from .tensor import DType, ShapeError, Tensor
 
@@ -211,7 +212,7 @@ class Context:
                 ggml.write_bytes(handle, self._inputs[handle])  # sizes were checked when the values were given
             started = time.perf_counter()
             try:
-                scheduler.compute(graph)
+                run_compute(lambda: scheduler.compute(graph))  # on a thread that keeps no idle OpenMP pool
             finally:
                 backend.last_compute = time.monotonic()
             backend.compute_seconds += time.perf_counter() - started

@@ -1,0 +1,65 @@
+"""Which threads run ggml's graph computes: one long-lived thread per process, or a thread that ends with its compute.
+
+ggml's CPU backend is built with OpenMP. libgomp gives every thread that starts a parallel region (a graph
+computed with more than one thread) a pool of worker threads, kept until that thread ends. While libgomp
+manages more threads than there are CPUs, it stops spinning between parallel regions (its "throttled" spin
+count: 100 instead of 300 000), so the workers of every pool fall asleep after each graph and each compute
+must wake them through the kernel. A second long-lived thread that has computed once is enough: the runner's
+batch builder computing a context shift (or a prefix copy) left its pool behind, and from then on every
+decode step of stories260K took 3-5x as long as before, on the same graph (issue 33: "a single stream decodes
+~5x slower after four streams", which was the first shift, not the streams).
+
+So a graph is computed in place only on the main thread or on a thread that called compute_here() (the
+thread that runs a model's forward graphs: the runner's compute thread); a compute asked for from any other
+thread runs on a short-lived thread that ends right after it, taking its pool with it. Those computes (cache
+shifts, prefix copies, vision towers, embeddings) happen per request, not per token: a thread start costs far
+less than they do. Computes of one backend are serialized by its compute lock either way.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+_local = threading.local()  # in_place: set by compute_here(); gone with its thread, so never inherited by a reused id
+
+
+def compute_here() -> None:
+    """Let the calling thread run graph computes itself from now on (its worker pool lives as long as it does).
+
+    For the one thread of a process that computes every step; each further such thread is another pool.
+    """
+    _local.in_place = True
+
+
+def computes_in_place() -> bool:
+    """Whether a compute asked for on the calling thread runs on it."""
+    return threading.current_thread() is threading.main_thread() or getattr(_local, "in_place", False)
+
+
+def run_compute(compute: Callable[[], T]) -> T:
+    """compute() on this thread if it computes in place, else on a thread of its own that ends with it."""
+    if computes_in_place():
+        return compute()
+    result: list[T] = []
+    error: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            result.append(compute())
+        except BaseException as err:  # handed to the caller below
+            error.append(err)
+
+    thread = threading.Thread(target=target, name="ggml-side-compute", daemon=True)
+    thread.start()
+    try:
+        thread.join()
+    except BaseException:  # e.g. KeyboardInterrupt: the caller's compute lock must outlive the compute
+        thread.join()
+        raise
+    if error:
+        raise error[0]
+    return result[0]

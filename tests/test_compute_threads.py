@@ -1,0 +1,218 @@
+"""Only one long-lived thread computes graphs: a cache shift or prefix copy on another thread leaves no OpenMP pool.
+
+Issue 33 found a single stream of stories260K decoding ~5x slower once four streams had decoded together.
+The cause was not the KV cache (each sequence attends to its own region, checked below) but threads: ggml's
+CPU backend runs a graph on an OpenMP pool owned by the calling thread, and once the runner's batch builder
+had computed a context shift, its pool stayed beside the compute thread's; with more managed threads than
+CPUs libgomp stops spinning between graphs, so every decode step woke its workers from sleep (3x-5x per step
+on the same graph). ml/compute_threads.py runs such side computes on a thread that ends with them.
+
+What is asserted is the mechanism, not a timing: the OS threads that Python did not start (the pools'
+workers) do not grow when a long-lived thread other than the compute thread computes. Linux only (/proc).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ollama_engine.kvcache import Batch
+from ollama_engine.runner.allocate import LoadedModel, LoadParams, open_model
+from ollama_engine.runner.loop import Runner
+from ollama_engine.runner.sequence import Piece, SequenceOptions
+from ollama_engine.sample import Sampler
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through /proc")
+
+THREADS = 2  # a graph computed with one thread starts no OpenMP pool
+
+
+def native_threads() -> int:
+    """OS threads of this process that Python did not start: OpenMP's workers (and any library's own)."""
+    return len(os.listdir("/proc/self/task")) - threading.active_count()
+
+
+def settled(at_most: int, seconds: float = 5.0) -> int:
+    """native_threads() once it is at most `at_most` (a pool's workers leave shortly after their thread), or
+    its value after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while (count := native_threads()) > at_most and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return count
+
+
+class LongLived:
+    """A thread that runs the functions it is given and stays alive until closed, as the runner's threads do."""
+
+    def __init__(self, name: str):
+        self._work: list[Callable[[], object]] = []
+        self._ready = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, fn: Callable[[], object]) -> object:
+        done, box = threading.Event(), {}
+
+        def job() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as err:
+                box["error"] = err
+            done.set()
+
+        with self._ready:
+            self._work.append(job)
+            self._ready.notify()
+        assert done.wait(60), "the thread did not run its work"
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+    def close(self) -> None:
+        with self._ready:
+            self._closed = True
+            self._ready.notify()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while True:
+            with self._ready:
+                while not self._work and not self._closed:
+                    self._ready.wait()
+                if self._closed:
+                    return
+                job = self._work.pop(0)
+            job()
+
+
+@pytest.fixture
+def loaded(stories_path) -> LoadedModel:
+    loaded = open_model(str(stories_path), LoadParams(parallel=4, batch_size=64, kv_size=512, num_threads=THREADS),
+                        allocate=True)
+    loaded.model.backend.load()
+    yield loaded
+    loaded.close()
+
+
+def decode(loaded: LoadedModel, seq: int, tokens: list[int], start: int = 0) -> np.ndarray:
+    """Feed tokens one step at a time to a sequence; the last step's logits."""
+    logits = None
+    for i, token in enumerate(tokens):
+        batch = Batch(tokens=[token], positions=[start + i], sequences=[seq], outputs=[0])
+        logits = loaded.model.graphs.compute(batch)
+    return logits[0]
+
+
+def test_a_cache_shift_and_copy_on_another_long_lived_thread_leave_no_pool(loaded):
+    """The compute thread keeps its pool; the builder's copy and shift are done and leave none behind."""
+    prompt = [1, 403, 407, 261, 378, 395, 289, 307]
+    base = settled(native_threads())
+    compute, builder = LongLived("compute"), LongLived("builder")
+    try:
+        compute.run(lambda: decode(loaded, 0, prompt))
+        with_pool = settled(base)
+        if with_pool == base:
+            pytest.skip("ggml's CPU backend left no worker threads: not built with OpenMP")
+        assert with_pool == base + THREADS - 1
+
+        cache = loaded.model.cache
+        builder.run(lambda: cache.copy_prefix(0, 1, len(prompt)))  # a prompt cache hit in another slot
+        builder.run(lambda: cache.remove(2, 0, None))
+        builder.run(lambda: cache.copy_prefix(0, 2, len(prompt)))
+        builder.run(lambda: cache.remove(2, 1, 3))  # a context shift: positions 3.. move down by 2
+        assert settled(with_pool) == with_pool, "the builder's computes left an OpenMP pool beside the compute thread's"
+
+        # the side computes did their work: the copy continues exactly as the original, the shifted sequence
+        # exactly as the same copy and shift done on the compute thread itself
+        following = [420, 299]
+        original = compute.run(lambda: decode(loaded, 0, following, len(prompt)))
+        copied = compute.run(lambda: decode(loaded, 1, following, len(prompt)))
+        np.testing.assert_array_equal(copied, original)
+        shifted = compute.run(lambda: decode(loaded, 2, following, len(prompt) - 2))
+        compute.run(lambda: cache.copy_prefix(0, 3, len(prompt)))
+        compute.run(lambda: cache.remove(3, 1, 3))
+        in_place = compute.run(lambda: decode(loaded, 3, following, len(prompt) - 2))
+        np.testing.assert_array_equal(shifted, in_place)
+        assert not np.array_equal(shifted, original)
+    finally:
+        compute.close()
+        builder.close()
+
+
+def test_side_compute_errors_reach_the_caller(loaded):
+    """A compute run on a thread of its own raises on the calling thread, and the backend computes again after."""
+    builder = LongLived("builder")
+    try:
+        with pytest.raises(ValueError, match="sequence 9"):
+            builder.run(lambda: loaded.model.cache.copy_prefix(0, 9, 4))
+        builder.run(lambda: loaded.model.cache.remove(0, 0, None))
+        assert np.isfinite(builder.run(lambda: decode(loaded, 0, [1, 403]))).all()
+    finally:
+        builder.close()
+
+
+def run_streams(runner: Runner, prompts: list[str], num_predict: int) -> list[int]:
+    """Greedy completions of the prompts, concurrently; tokens each generated."""
+    seqs, dones = [], []
+    for prompt in prompts:
+        seq = runner.new_sequence(prompt, SequenceOptions(sampler=Sampler(temperature=0), num_predict=num_predict))
+        done = threading.Event()
+
+        def sink(piece: Piece | None, done: threading.Event = done) -> None:
+            if piece is None:
+                done.set()
+
+        runner.add(seq, sink)
+        seqs.append(seq)
+        dones.append(done)
+    for done in dones:
+        assert done.wait(120), "a stream did not finish"
+    return [seq.num_predicted for seq in seqs]
+
+
+def test_one_stream_after_four_shifted_streams(loaded):
+    """Issue 33's sequence: 1 stream, 4 streams whose context shifts, 1 stream. The later stream's graphs attend
+    to its own region as the first's did, and the runner keeps one pool: its compute thread's."""
+    cache = loaded.model.cache
+    region, num_ctx = cache.region, loaded.input_cache.num_ctx
+    layouts: list[tuple] = []
+    prepare = cache.prepare
+
+    def recording(batch: Batch, reserve: bool = False):
+        layout = prepare(batch, reserve)
+        layouts.append((batch.sequences[0], layout))
+        return layout
+
+    cache.prepare = recording
+    errors: list[BaseException] = []
+    base = settled(native_threads())
+    runner = Runner(loaded, errors.append)
+    runner.start()
+    try:
+        words = "the little dog ran to the old tree and saw a big red ball"
+        assert run_streams(runner, [f"Story 1: {words}"], 40) == [40]
+        first = [entry for entry in layouts if len(entry[1]) == 1]
+        one_pool = settled(base)
+        layouts.clear()
+        shifted = run_streams(runner, [f"Story {i}: {words}" for i in range(2, 6)], num_ctx + 20)
+        assert shifted == [num_ctx + 20] * 4  # each went past its context: shifted on the batch builder
+        layouts.clear()
+        assert run_streams(runner, [f"Story 6: {words}"], 40) == [40]
+        later = [entry for entry in layouts if len(entry[1]) == 1]
+        assert settled(one_pool) == one_pool, "a shift left the batch builder's OpenMP pool beside the compute thread's"
+    finally:
+        runner.close()
+        cache.prepare = prepare
+    assert not errors
+    # the KV view: the slot's own cells, as long as the first stream's was at each step
+    for seq, ((_, start, length),) in later:
+        assert seq * region <= start and start + length <= (seq + 1) * region
+    decode_lengths = [layout[0][2] for _, layout in first if layout[0][0] == 1]
+    assert [layout[0][2] for _, layout in later if layout[0][0] == 1] == decode_lengths
