@@ -8,8 +8,8 @@ Every recurrent layer has one F32 tensor of rows, each row one whole state (all 
 e.g. a conv state and an SSM state, side by side). The rows are a pool shared by all sequences:
 
     [0, S)                  slots: the live state of a sequence (S = max_sequences)
-    [S, S + S * C)          checkpoints: copies of a sequence's state after some position (C per sequence)
-    ZERO = S + S * C        all zeros, never written: where a new sequence starts
+    [S, S + S * (C + K))    checkpoints: copies of a sequence's state after some position (C + K per sequence)
+    ZERO = S + S * (C + K)  all zeros, never written: where a new sequence starts
     SCRATCH = ZERO + 1      written when a batch takes no checkpoint, never read
 
 A sequence's state is a row (refcounted) and the position it has reached. A forward pass reads each
@@ -23,7 +23,15 @@ ends its prompt (more than one token, the last of which wants logits) or `interv
 since its last such checkpoint, from `min_position` on; each sequence keeps its newest C. A prompt batch
 that ends at a multiple of the batch size is checkpointed too, but only until the next one does: the
 runner's exact prompt-cache reuse (runner/exact.py) resumes at such boundaries, so the latest one lets a
-chat's next turn resume at its previous prompt's last full batch. Removing a sequence's
+chat's next turn resume at its previous prompt's last full batch.
+
+Resume checkpoints (K per sequence beside the C): where `resume_rule` (set by the runner's exact prompt cache:
+runner/exact.extension_resumes) says a later prompt extending a prompt of L inputs will resume, the batch that
+ends the prompt also keeps the state after those positions, until the sequence's next prompt end replaces
+them. Such a position lies inside the batch, so the model runs its recurrent op on the pieces the cuts make
+(`splits`), each piece from the state the one before left, and stores the state at each cut (`keep`): ggml's
+CPU kernels (ssm_conv, ssm_scan, gated_delta_net) go token by token from the state, so every row and the final
+state are what one call computes, bitwise. Removing a sequence's
 positions from p on (a prompt-cache hit that shares p inputs, a rollback) resumes from the checkpoint taken
 after position p - 1 (`resume_position` finds the nearest one at or below a wanted position): no
 recomputation from position 0, no copy (the checkpoint row is read in place). Forks share checkpoints too.
@@ -38,7 +46,7 @@ so a sequence's results do not depend on the other sequences in its batches.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -52,6 +60,7 @@ from .causal import Causal
 DEFAULT_CHECKPOINTS = 24  # Ollama's DefaultCheckpointCount, MinPos and Interval
 DEFAULT_MIN_POSITION = 16
 DEFAULT_INTERVAL = 1664
+RESUME_CHECKPOINTS = 2  # as many as runner/exact.extension_resumes gives
 
 
 class StateError(CacheError):
@@ -65,13 +74,14 @@ class _Sequence:
     checkpoints: list[tuple[int, int]] = field(default_factory=list)  # (position, row), oldest first
     rolling: int | None = None  # the position of the checkpoint kept only until the next batch-aligned one
     held: int = 0  # with next -1: how many positions the sequence holds (its keys and values)
+    resumes: set[int] = field(default_factory=set)  # checkpoints kept only until the next prompt end's
 
 
 @dataclass(frozen=True)
 class _Bound:
     serial: int
     layout: Hashable
-    rows: np.ndarray  # (sequences, 3): read, write, checkpoint row of each sequence of the batch
+    rows: np.ndarray  # (sequences, 3 + K): read, write, checkpoint and resume checkpoint rows of each sequence
     tensor: Tensor
 
 
@@ -81,10 +91,11 @@ class Recurrent:
 
     def __init__(self, shift: ShiftFn | None, state_sizes: Mapping[int, Sequence[int]], *,
                  checkpoints: int = DEFAULT_CHECKPOINTS, interval: int = DEFAULT_INTERVAL,
-                 min_position: int = DEFAULT_MIN_POSITION, **causal_options: int):
-        if checkpoints < 0 or interval < 1 or min_position < 0:
-            raise ValueError(f"checkpoints {checkpoints}, interval {interval} and min_position {min_position} "
-                             "must be non-negative (interval positive)")
+                 min_position: int = DEFAULT_MIN_POSITION, resumes: int = RESUME_CHECKPOINTS,
+                 **causal_options: int):
+        if checkpoints < 0 or interval < 1 or min_position < 0 or resumes < 0:
+            raise ValueError(f"checkpoints {checkpoints}, interval {interval}, min_position {min_position} and "
+                             f"resumes {resumes} must be non-negative (interval positive)")
         if not state_sizes or any(not sizes or min(sizes) < 1 for sizes in state_sizes.values()):
             raise ValueError(f"every recurrent layer needs states of positive sizes, got {dict(state_sizes)}")
         self.causal = Causal(shift, **causal_options)
@@ -92,6 +103,10 @@ class Recurrent:
         self.checkpoint_count = checkpoints
         self.interval = interval
         self.min_position = min_position
+        self.resume_count = resumes
+        self.resume_rule: Callable[[int, int, int, int], Sequence[int]] | None = None
+        """(prompt length, first position of its last batch, that position's batch row, the batch's rows) ->
+        the positions a later prompt extending it may resume at (None: keep none)."""
         self._backend: Backend | None = None
 
     # ------------------------------------------------------------ setup
@@ -109,7 +124,7 @@ class Recurrent:
         self.causal.init(backend, dtype, max_sequences, capacity, max_batch, value_dtype=value_dtype)
         self._backend = backend
         self._slots = max_sequences
-        self.zero = max_sequences * (1 + self.checkpoint_count)
+        self.zero = max_sequences * (1 + self.checkpoint_count + self.resume_count)
         self.scratch = self.zero + 1
         self._refs = np.zeros(self.scratch + 1, dtype=np.int64)
         self._sequences: dict[int, _Sequence] = {}
@@ -119,7 +134,8 @@ class Recurrent:
         self._max_batch = max_batch
         self._layer = 0
         self._runs: list[tuple[int, int, int]] = []
-        self._rows = np.zeros((0, 3), dtype=np.int32)
+        self._splits: list[tuple[int, ...]] = []
+        self._rows = np.zeros((0, 3 + self.resume_count), dtype=np.int32)
         self._bound: _Bound | None = None
 
     def close(self) -> None:
@@ -130,7 +146,7 @@ class Recurrent:
         self.causal.close()
 
     def state_bytes(self, layer: int) -> int:
-        """The bytes of layer's rows: its slots, checkpoints, zero and scratch rows."""
+        """The bytes of layer's rows: its slots, checkpoints (resume checkpoints too), zero and scratch rows."""
         return self._states[layer].nbytes if layer in self._states else 0
 
     # ------------------------------------------------------------ a forward pass
@@ -141,7 +157,8 @@ class Recurrent:
 
     def prepare(self, batch: Batch, reserve: bool = False) -> Hashable:
         """Place the batch: cells for its keys and values, and for each sequence the rows its recurrent
-        layers read and write. Returns the layout a graph depends on: the causal one and the sequences' runs."""
+        layers read and write. Returns the layout a graph depends on: the causal one and the sequences' runs
+        with their splits."""
         self._require_init()
         runs = batch.runs()
         if not reserve:
@@ -154,19 +171,25 @@ class Recurrent:
                     raise StateError(f"sequence {seq}'s recurrent state is at position {expected}; a batch must "
                                      f"continue it with consecutive positions, got {positions[0]}..")
         layout = self.causal.prepare(batch, reserve)
-        rows = np.empty((len(runs), 3), dtype=np.int32)
-        if reserve:
-            rows[:] = (self.zero, self.scratch, self.scratch)
-        else:
-            for i, (seq, begin, count) in enumerate(runs):
+        rows = np.full((len(runs), 3 + self.resume_count), self.scratch, dtype=np.int32)
+        splits: list[tuple[int, ...]] = []
+        for i, (seq, begin, count) in enumerate(runs):
+            if reserve:  # the most pieces a batch can cut a run into: the largest graph
+                rows[i, 0] = self.zero
+                k = self.resume_count if count > self.resume_count else 0
+                splits.append(tuple(count * (j + 1) // (k + 1) for j in range(k)))
+            else:
                 state = self._sequences.setdefault(seq, _Sequence(self.zero, 0))
-                rows[i] = self._advance(state, batch, begin, count)
-        self._runs, self._rows = runs, rows
-        return layout, tuple((begin, count) for _, begin, count in runs)
+                splits.append(self._advance(state, batch, begin, count, rows[i]))
+        self._runs, self._rows, self._splits = runs, rows, splits
+        return layout, self._layout()
+
+    def _layout(self) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
+        return tuple((begin, count, cuts) for (_, begin, count), cuts in zip(self._runs, self._splits, strict=True))
 
     def bind(self, ctx: Context) -> None:
         self.causal.bind(ctx)
-        layout = tuple((begin, count) for _, begin, count in self._runs)
+        layout = self._layout()
         bound = ctx.bindings.get(self)
         if isinstance(bound, _Bound) and bound.layout == layout:
             np.copyto(bound.rows, self._rows)
@@ -180,6 +203,11 @@ class Recurrent:
         """(first row, rows) of each sequence of the prepared batch, in batch order."""
         return [(begin, count) for _, begin, count in self._runs]
 
+    def splits(self, index: int) -> tuple[int, ...]:
+        """Where the index-th sequence's rows are cut (offsets 0 < k < rows, ascending): its recurrent op runs
+        on each piece in turn, from the state the piece before left, and keep() stores the state at each cut."""
+        return self._splits[index]
+
     def state(self, ctx: Context, layer: int, index: int, kind: int = 0) -> Tensor:
         """State `kind` of layer for the index-th sequence of the batch, as it was before the batch: (size, 1)."""
         bound, states = self._require_bound(ctx), self._layer_states(layer)
@@ -190,6 +218,15 @@ class Recurrent:
     def update(self, ctx: Context, layer: int, index: int, values: Sequence[Tensor]) -> None:
         """Store layer's new states (one tensor per kind, any shape of the kind's size) for the index-th
         sequence: in its own row, and in a checkpoint row where prepare() planned one."""
+        self._store(ctx, layer, index, values, (1, 2))
+
+    def keep(self, ctx: Context, layer: int, index: int, cut: int, values: Sequence[Tensor]) -> None:
+        """Store layer's states after the index-th sequence's first splits(index)[cut] rows (as update())."""
+        if not 0 <= cut < len(self._splits[index]):
+            raise IndexError(f"cut {cut} of sequence {index}'s {len(self._splits[index])}")
+        self._store(ctx, layer, index, values, (3 + cut,))
+
+    def _store(self, ctx: Context, layer: int, index: int, values: Sequence[Tensor], columns: Sequence[int]) -> None:
         bound, states = self._require_bound(ctx), self._layer_states(layer)
         sizes = self.state_sizes[layer]
         if len(values) != len(sizes) or any(v.element_count() != s for v, s in zip(values, sizes, strict=True)):
@@ -200,8 +237,8 @@ class Recurrent:
         for more in flat[1:]:
             row = row.concat(more, 0)
         target = Tensor(ctx, states.handle)
-        ctx.forward(target.set_rows(row, self._row_index(bound, index, 1)))
-        ctx.forward(target.set_rows(row, self._row_index(bound, index, 2)))
+        for column in columns:
+            ctx.forward(target.set_rows(row, self._row_index(bound, index, column)))
 
     # ------------------------------------------------------------ attention layers: the causal cache
 
@@ -233,6 +270,7 @@ class Recurrent:
         dst = _Sequence(self.zero, 0 if length == 0 else -1, held=length)
         dst.checkpoints = [(p, r) for p, r in src.checkpoints if p < length]
         dst.rolling = src.rolling if src.rolling is not None and src.rolling < length else None
+        dst.resumes = {p for p in src.resumes if p < length}
         for _, r in dst.checkpoints:
             self._refs[r] += 1
         if length > 0:
@@ -287,6 +325,7 @@ class Recurrent:
         state.checkpoints = [c for c in state.checkpoints if c[0] < begin]
         if state.rolling is not None and state.rolling >= begin:
             state.rolling = None
+        state.resumes = {p for p in state.resumes if p < begin}
 
     def checkpoints(self, seq: int) -> list[int]:
         """The positions after which the sequence has a checkpoint, oldest first."""
@@ -305,42 +344,68 @@ class Recurrent:
 
     # ------------------------------------------------------------ internals
 
-    def _advance(self, state: _Sequence, batch: Batch, begin: int, count: int) -> tuple[int, int, int]:
-        """The rows one sequence's batch reads and writes, and its bookkeeping moved past the batch."""
+    def _advance(self, state: _Sequence, batch: Batch, begin: int, count: int, rows: np.ndarray) -> tuple[int, ...]:
+        """Fill `rows` (read, write, checkpoint, resume checkpoints) for one sequence's run of the batch, move its
+        bookkeeping past the run, and return where the run is cut for its resume checkpoints."""
         read = state.row
         write = read if read < self._slots and self._refs[read] == 1 else self._take(0, self._slots)
         if write != read:
             self._refs[write] = 1
             self._unhold(read)
-        last = state.next + count - 1
-        checkpoint = self.scratch
+        first, last = state.next, state.next + count - 1
+        rows[:3] = (read, write, self.scratch)
         prompt_end = count > 1 and begin + count - 1 in batch.outputs
         aligned = count > 1 and (last + 1) % self._max_batch == 0
-        kept = [p for p, _ in state.checkpoints if p != state.rolling]
+        kept = [p for p, _ in state.checkpoints if p != state.rolling and p not in state.resumes]
         due = not kept or last - kept[-1] >= self.interval
+        cuts = self._plan_resumes(state, rows, first, last + 1, begin, len(batch)) if prompt_end else ()
         if self.checkpoint_count and last >= self.min_position and (prompt_end or aligned or due):
             if aligned and state.rolling is not None:  # superseded by this one
                 self._drop(state, state.rolling)
-            if len(state.checkpoints) == self.checkpoint_count:
-                self._drop(state, state.checkpoints[0][0])
-            checkpoint = self._take(self._slots, self.zero)
-            self._refs[checkpoint] = 1
-            state.checkpoints.append((last, checkpoint))
+            regular = [p for p, _ in state.checkpoints if p not in state.resumes]
+            if len(regular) == self.checkpoint_count:
+                self._drop(state, regular[0])
+            rows[2] = self._checkpoint(state, last)
             state.rolling = None if prompt_end or due else last
         state.row, state.next = write, state.next + count
-        return read, write, checkpoint
+        return cuts
+
+    def _plan_resumes(self, state: _Sequence, rows: np.ndarray, first: int, length: int, row: int,
+                      batch_rows: int) -> tuple[int, ...]:
+        """At the end of a prompt of `length` inputs whose last batch holds positions first.. in rows row.. of
+        batch_rows: replace the sequence's resume checkpoints by those resume_rule wants inside this batch; the
+        cuts (offsets in the run)."""
+        wanted = self.resume_rule(length, first, row, batch_rows) if self.resume_rule else ()
+        wanted = sorted(p for p in wanted if first < p < length)
+        wanted = wanted[-self.resume_count:] if self.resume_count else []
+        if not wanted:
+            return ()
+        for position in sorted(state.resumes):
+            self._drop(state, position)
+        for k, position in enumerate(wanted):
+            rows[3 + k] = self._checkpoint(state, position - 1)
+            state.resumes.add(position - 1)
+        return tuple(p - first for p in wanted)
+
+    def _checkpoint(self, state: _Sequence, position: int) -> int:
+        """A free checkpoint row for the sequence's state after `position` (the newest it has)."""
+        row = self._take(self._slots, self.zero)
+        self._refs[row] = 1
+        state.checkpoints.append((position, row))
+        return row
 
     def _drop(self, state: _Sequence, position: int) -> None:
         """Forget the sequence's checkpoint after `position`."""
         row = next(r for p, r in state.checkpoints if p == position)
         state.checkpoints.remove((position, row))
         self._unhold(row)
+        state.resumes.discard(position)
         if state.rolling == position:
             state.rolling = None
 
     def _take(self, low: int, high: int) -> int:
-        """A free row in [low, high); there always is one (each sequence holds at most one slot and C
-        checkpoints)."""
+        """A free row in [low, high); there always is one (each sequence holds at most one slot, C checkpoints
+        and K resume checkpoints)."""
         free = np.flatnonzero(self._refs[low:high] == 0)
         if not len(free):
             raise RuntimeError(f"no free recurrent state row in {low}..{high}: the bookkeeping is broken")
@@ -370,7 +435,7 @@ class Recurrent:
     def _row_index(self, bound: _Bound, index: int, column: int) -> Tensor:
         if not 0 <= index < len(bound.rows):
             raise IndexError(f"sequence {index} of a batch of {len(bound.rows)}")
-        return bound.tensor.view((index * 3 + column) * 4, (1,))
+        return bound.tensor.view((index * bound.rows.shape[1] + column) * 4, (1,))
 
     def _layer_states(self, layer: int) -> Tensor:
         if layer not in self._states:

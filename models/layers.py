@@ -172,11 +172,29 @@ def head(h: Tensor, norm: Tensor, output: Tensor, eps: float, cap: float = 0.0) 
 def per_sequence(spans: list[tuple[int, int]], mix: Callable[[int, int, int], Tensor]) -> Tensor:
     """mix(s, begin, count) for each sequence s of a batch (its columns begin..begin + count), side by side:
     how a recurrent layer runs each sequence from its own state."""
-    parts = [mix(s, begin, count) for s, (begin, count) in enumerate(spans)]
+    return side_by_side([mix(s, begin, count) for s, (begin, count) in enumerate(spans)], 1)
+
+
+def side_by_side(parts: list[Tensor], dim: int) -> Tensor:
+    """parts concatenated along dim."""
     y = parts[0]
     for more in parts[1:]:
-        y = y.concat(more, 1)
+        y = y.concat(more, dim)
     return y
+
+
+def pieces(count: int, cuts: tuple[int, ...]) -> list[tuple[int, int]]:
+    """(first, rows) of the pieces that cuts (ascending offsets inside count rows) make of a sequence's rows:
+    a recurrent op runs on each in turn from the state the one before left (kvcache.Recurrent.splits)."""
+    edges = [0, *cuts, count]
+    return [(a, b - a) for a, b in zip(edges, edges[1:], strict=False)]
+
+
+def span(t: Tensor, dim: int, first: int, count: int) -> Tensor:
+    """Elements first..first + count of t along dimension dim (a view with t's strides)."""
+    shape = list(t.ne)
+    shape[dim] = count
+    return t.view(first * t.strides[dim], shape, t.strides[1:])
 
 
 def query_temperature(positions: np.ndarray, beta: float, length: int) -> np.ndarray:

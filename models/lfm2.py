@@ -125,6 +125,8 @@ class Lfm2(Model):
         def convolve(s: int, begin: int, count: int) -> Tensor:
             state = self.cache.state(ctx, i, s).reshape(d_conv, h)
             sx = state.concat(bx.view(begin * bx.strides[1], (h, count)).transpose(), 0)  # (d_conv + count, h)
+            for cut, k in enumerate(self.cache.splits(s)):  # the state after k inputs: the d_conv before
+                self.cache.keep(ctx, i, s, cut, [sx.view(k * 4, (d_conv, h), (sx.strides[1],))])
             self.cache.update(ctx, i, s, [sx.view(count * 4, (d_conv, h), (sx.strides[1],))])
             conv = sx.reshape(d_conv + count, h, 1).ssm_conv(layer.conv).reshape(h, count)
             return bcx.view(begin * stride + h * 4, (h, count), (stride,)).mul(conv)  # c's columns

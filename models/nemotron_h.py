@@ -29,7 +29,7 @@ from ollama_engine.ml import Backend, Context, Tensor
 from ollama_engine.tokenizer import Tokenizer
 
 from .base import Model, ModelError, bind, register, require_uint, weight
-from .layers import Output, head, inputs, linear, per_sequence
+from .layers import Output, head, inputs, linear, per_sequence, pieces, side_by_side, span
 from .moe import Gating, Routing, bind_experts, moe
 
 
@@ -151,10 +151,19 @@ class NemotronH(Model):
             b = xbc.view(d_inner * 4, (d_state, groups, count, 1), (d_state * 4, row, row * count))
             c = xbc.view((d_inner + groups * d_state) * 4, (d_state, groups, count, 1), (d_state * 4, row, row * count))
             dt = dt.contiguous().add(layer.ssm_dt_b)
-            ssm_state = self.cache.state(ctx, i, s, 1).reshape(d_state, head_dim, heads, 1)
-            scanned = ssm_state.ssm_scan(xs, dt, layer.ssm_a, b, c, ids)
-            self.cache.update(ctx, i, s, [new_conv, scanned.view(d_inner * count * 4, (d_state * d_inner,))])
-            y = scanned.view(0, (head_dim, heads, count, 1), (head_dim * 4, d_inner * 4, d_inner * count * 4))
+            ys, cuts = [], self.cache.splits(s)
+            state = self.cache.state(ctx, i, s, 1).reshape(d_state, head_dim, heads, 1)
+            for cut, (a, n) in enumerate(pieces(count, cuts)):  # token by token: pieces give one call's numbers
+                scanned = state.ssm_scan(span(xs, 2, a, n), span(dt, 1, a, n), layer.ssm_a, span(b, 2, a, n),
+                                         span(c, 2, a, n), ids)
+                ys.append(scanned.view(0, (head_dim, heads, n, 1), (head_dim * 4, d_inner * 4, d_inner * n * 4)))
+                state = scanned.view(d_inner * n * 4, (d_state, head_dim, heads, 1),
+                                     (d_state * 4, d_state * head_dim * 4, d_state * d_inner * 4))
+                if cut < len(cuts):
+                    kept = conv_x.view(cuts[cut] * 4, (d_conv, channels), (conv_x.strides[1],))
+                    self.cache.keep(ctx, i, s, cut, [kept, state])
+            self.cache.update(ctx, i, s, [new_conv, state])
+            y = side_by_side(ys, 2)
             y = y.add(xs.mul(layer.ssm_d)).set_name(f"mamba2_y_add_d-{i}")
             y = z.contiguous().silu(y)
             y = y.reshape(d_inner // groups, groups, count).rms_norm(layer.ssm_norm, self.eps)

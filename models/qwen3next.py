@@ -33,7 +33,7 @@ from ollama_engine.tokenizer import Tokenizer
 
 from .alone import matmul_alone
 from .base import Model, ModelError, bind, register, require_uint, weight
-from .layers import Dense, Output, attend, ffn, head, inputs, per_sequence
+from .layers import Dense, Output, attend, ffn, head, inputs, per_sequence, pieces, side_by_side, span
 from .moe import Gating, Routing, bind_experts, moe
 
 
@@ -146,10 +146,17 @@ class Qwen3Next(Model):
             v = mixed.view(2 * kh * kd * 4, (kd, vh, count, 1), (kd * 4, row, row * count))
             q, k = (self.for_value_heads(t.rms_norm(None, self.eps / kd).scale(1.0 / math.sqrt(kd)))
                     for t in (q, k))  # L2-normed
-            state = self.cache.state(ctx, i, s, 1).reshape(kd, kd, vh, 1)
-            result = q.gated_delta_net(k, v, gate, beta, state)
-            self.cache.update(ctx, i, s, [new_conv, result.view(kd * vh * count * 4, (kd * kd * vh,))])
-            out = result.view(0, (kd, vh, count), (kd * 4, kd * vh * 4)).rms_norm(layer.ssm_norm, self.eps)
+            state, outs, cuts = self.cache.state(ctx, i, s, 1).reshape(kd, kd, vh, 1), [], self.cache.splits(s)
+            for cut, (a, n) in enumerate(pieces(count, cuts)):  # token by token: pieces give one call's numbers
+                result = span(q, 2, a, n).gated_delta_net(span(k, 2, a, n), span(v, 2, a, n), span(gate, 2, a, n),
+                                                          span(beta, 2, a, n), state)
+                outs.append(result.view(0, (kd, vh, n), (kd * 4, kd * vh * 4)))
+                state = result.view(kd * vh * n * 4, (kd, kd, vh, 1), (kd * 4, kd * kd * 4, kd * kd * vh * 4))
+                if cut < len(cuts):
+                    kept = conv_x.view(cuts[cut] * 4, (d_conv, channels), (conv_x.strides[1],))
+                    self.cache.keep(ctx, i, s, cut, [kept, state])
+            self.cache.update(ctx, i, s, [new_conv, state])
+            out = side_by_side(outs, 2).rms_norm(layer.ssm_norm, self.eps)
             gated = z.view(begin * z_stride, (self.d_inner, count)).reshape(kd, vh, count).silu()
             return out.mul(gated).reshape(self.d_inner, count)
 

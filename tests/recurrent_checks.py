@@ -90,14 +90,14 @@ def assert_batched_equals_solo(path: object, flash: bool) -> None:
 def assert_states_fit_and_run(path: object, state_row_bytes: Mapping[int, int], attention: Collection[int],
                               stateless: Collection[int] = ()) -> None:
     """fit reports what alloc allocates; a recurrent layer's cache is `state_row_bytes[layer]` times its rows
-    (2 slots with their checkpoints, a zero and a scratch row), an attention layer's its keys and values, a
-    `stateless` layer's nothing; then a prompt batch and three decode steps compute."""
+    (2 slots with their checkpoints and resume checkpoints, a zero and a scratch row), an attention layer's its
+    keys and values, a `stateless` layer's nothing; then a prompt batch and three decode steps compute."""
     params = LoadParams(parallel=2, batch_size=32, kv_size=256, num_threads=1)
     with fitted_then_allocated(str(path), params) as loaded:
         cache = loaded.model.cache
         assert isinstance(cache, Recurrent)
         report = loaded.memory.cpu.cache
-        rows = 2 * (cache.checkpoint_count + 1) + 2
+        rows = 2 * (cache.checkpoint_count + cache.resume_count + 1) + 2
         for layer, row_bytes in state_row_bytes.items():
             assert report[layer] == cache.state_bytes(layer) == row_bytes * rows, layer
         for layer in attention:

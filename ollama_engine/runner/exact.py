@@ -17,6 +17,9 @@ evaluation restarts (a multiple of 4, usually 8 to 11 inputs before the end) so 
 is cut into (at multiples of batch_size, as a cold run cuts) give every row the cold run's class. Inputs
 computed while generating (one row per batch) are never a cold run's: a chat's previous answer is
 evaluated again as prompt on its next turn.
+
+A cache that can continue a sequence only at some positions (a hybrid's recurrent states, kvcache/recurrent.py)
+keeps checkpoints where a later prompt extending this one will resume (`extension_resumes`).
 """
 
 from __future__ import annotations
@@ -74,3 +77,19 @@ def resume_point(kernels: bytes | bytearray, common: int, length: int, batch_siz
             return max(resume, 0)
         resume -= GROUP_ROWS
     return 0
+
+
+def extension_resumes(length: int, first: int = 0, row: int = 0, batch_rows: int | None = None) -> tuple[int, ...]:
+    """Where a later prompt extending a `length`-input prompt resumes, the prompt's last batch holding its
+    positions first..length - 1 in rows row.. of batch_rows (default: that batch is the prompt alone).
+
+    Its last reusable input is the last multiple of GROUP_ROWS among those computed by the many-row matmul
+    (the batch's last `batch_rows % 4` rows were a one-row matmul's); the later prompt resumes there if it adds
+    at least TILED_ATTENTION_ROWS inputs after it, else TILED_ATTENTION_ROWS earlier, so that the rows evaluated
+    again reach the tiled attention a cold run gives them (for any prompt at least `length` long). The prompt's
+    last batch must have had as many rows as a cold run of the later prompt gives it (at least
+    TILED_ATTENTION_ROWS each, or fewer each) for either to be reused. Positive positions only, ascending."""
+    rows = length - first + row if batch_rows is None else batch_rows
+    reusable = min(length, first + rows - rows % GROUP_ROWS - row)
+    last = reusable - reusable % GROUP_ROWS
+    return tuple(p for p in (last - TILED_ATTENTION_ROWS, last) if p > 0)

@@ -9,6 +9,8 @@ caching misbehaves (DEBUG logging of this module shows every load, fork, evictio
 
 Exact reuse (the default, OLLAMA_ENGINE_EXACT_CACHE): a prompt reuses only cached inputs computed as a
 cold run computes them, so that a cache hit answers bitwise as a cold run does (see runner/exact.py).
+A hybrid's recurrent states continue only where a checkpoint is: the cache is told where a later prompt
+extending a prompt will resume (its `resume_rule`), and keeps checkpoints there.
 """
 
 import logging
@@ -18,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ollama_engine.runner.exact import resume_point, row_kernels
+from ollama_engine.runner.exact import extension_resumes, resume_point, row_kernels
 from ollama_engine.runner.inputs import Input, group_boundary, kept_together
 
 log = logging.getLogger(__name__)
@@ -116,6 +118,14 @@ class InputCache:
         self.batch_size = batch_size
         self.kv_cache = kv_cache
         self._remove_errors = remove_errors
+        if hasattr(kv_cache, "resume_rule"):  # kvcache.Recurrent
+            kv_cache.resume_rule = self.extension_resumes
+
+    def extension_resumes(self, length: int, first: int, row: int, batch_rows: int) -> tuple[int, ...]:
+        """Where a later prompt extending a `length`-input one (its last batch: positions first.. in rows row..
+        of batch_rows) may resume: under exact reuse the points runner/exact.py would choose; otherwise the
+        prompt's end, where a checkpoint is anyway."""
+        return extension_resumes(length, first, row, batch_rows) if self.exact else ()
 
     @property
     def enabled(self) -> bool:
