@@ -2,7 +2,7 @@
 
 Usage:
     .venv/bin/python bench/speculative.py [--models smollm2-135m-instruct,gemma-3-270m] [--rounds 4]
-        [--threads 2] [--llama-cpp] [--draft LAYERS[:TYPE]]
+        [--threads 2] [--llama-cpp] [--llama-server [PATH]] [--llama-spec ARGS] [--draft LAYERS[:TYPE]]
 
 Two tasks, greedy, through the runner's batch loop (runner/loop.py, in process, no HTTP):
   (a) copy: a ~1000-token text (this repository's DESIGN notes) to be repeated exactly; 256 tokens generated;
@@ -19,21 +19,38 @@ real model shares SmolLM2's vocabulary. Drafts are written once under ~/.cache/o
 
 --llama-cpp adds llama-cpp-python's own prompt-lookup speculation (Llama(draft_model=
 LlamaPromptLookupDecoding)), same GGUF and threads, plain and speculative, interleaved the same way.
+
+--llama-server adds llama.cpp's own speculation in its server (built from the pinned source by
+`bench/serve_bench.py --build-llama-server`): two llama-server processes on the same GGUF and threads, one
+plain and one speculating (--llama-spec, default `--spec-type ngram-simple`, its n-gram lookup with its
+defaults; with --draft, `-md` and the same draft GGUF as ours, llama.cpp's draft defaults), each request
+/completion greedy with the prompt cached, in the same rounds right after our run of the same side. Its
+tokens/s is its own `timings.predicted_per_second` (tokens after the first over the time from the first to
+the last, as ours), its acceptance `draft_n_accepted / draft_n`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import os
+import shlex
 import statistics
+import subprocess
 import sys
 import threading
 import time
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path[:0] = [str(HERE), str(ROOT / "tests")]
 
+from serve_bench import LLAMA_SERVER, wait_http  # noqa: E402
+from serve_process import free_port  # noqa: E402
 from synthetic.draft import write_draft  # noqa: E402
 
 from ollama_engine.fs.real_models import fetch  # noqa: E402
@@ -105,6 +122,57 @@ class LlamaCppSide:
         return out["usage"]["completion_tokens"] / (time.perf_counter() - start)
 
 
+class LlamaServerSide:
+    """llama.cpp's server, plain and speculating (two processes, the same GGUF, threads and context as ours)."""
+
+    def __init__(self, urls: dict[bool, str]) -> None:
+        self.urls = urls
+
+    @classmethod
+    @contextlib.contextmanager
+    def started(cls, binary: Path, model: Path, threads: int, spec_args: list[str]) -> Iterator[LlamaServerSide]:
+        with contextlib.ExitStack() as stack:
+            urls = {spec: stack.enter_context(llama_server(binary, model, threads, spec_args if spec else []))
+                    for spec in (False, True)}
+            yield cls(urls)
+
+    def run(self, prompt: str, spec: bool, n: int) -> tuple[float, list[int], int, int]:
+        """tokens/s of the decode phase (its own timings), the tokens, drafted and accepted counts."""
+        body = {"prompt": prompt, "n_predict": n, "temperature": 0, "cache_prompt": True, "return_tokens": True}
+        request = urllib.request.Request(self.urls[spec] + "/completion", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=600) as response:
+            out = json.load(response)
+        timings = out["timings"]
+        return (timings["predicted_per_second"], out["tokens"], timings.get("draft_n", 0),
+                timings.get("draft_n_accepted", 0))
+
+
+@contextlib.contextmanager
+def llama_server(binary: Path, model: Path, threads: int, extra: list[str]) -> Iterator[str]:
+    """One llama-server with our runner's settings (one slot, 4096 context, batch 512, f16 cache, flash attention)."""
+    port = free_port()
+    command = [str(binary), "-m", str(model), "--port", str(port), "-np", "1", "-c", "4096", "-t", str(threads),
+               "-tb", str(threads), "-b", "512", "-ctk", "f16", "-ctv", "f16", "-fa", "on", "--no-webui", *extra]
+    env = {**os.environ, "LD_PRELOAD": str(no_amx())}
+    with subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env) as server:
+        try:
+            wait_http(f"http://127.0.0.1:{port}/health", server)
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            server.terminate()
+
+
+def no_amx() -> Path:
+    """bench/no_amx.c compiled (once): llama-server without ggml's AMX kernels, which crash here (see the file)."""
+    library = HERE / "out" / "no_amx.so"
+    source = HERE / "no_amx.c"
+    if not library.exists() or library.stat().st_mtime < source.stat().st_mtime:
+        library.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-o", str(library), str(source), "-ldl"], check=True)
+    return library
+
+
 def llama_cpp_draft(path: Path, threads: int, k: int = 6):
     """A LlamaDraftModel for llama-cpp-python's speculative loop: a second Llama on the draft GGUF keeps the
     common prefix of its cache and the text, evaluates the rest and proposes k greedy tokens (no llama-server
@@ -144,65 +212,109 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--llama-cpp", action="store_true")
+    parser.add_argument("--llama-server", type=Path, nargs="?", const=LLAMA_SERVER, default=None,
+                        help="also llama.cpp's server, plain and speculating (its binary; default the pinned build)")
+    parser.add_argument("--llama-spec", default="--spec-type ngram-simple",
+                        help="llama-server's speculation arguments without --draft (with it: -md DRAFT)")
     parser.add_argument("--draft", default="", help="LAYERS[:TYPE]: a draft model cut from the target")
     parser.add_argument("--scale", type=float, default=1.0, help="generated tokens scaled (a quick trial run)")
     args = parser.parse_args()
     for name in args.models.split(","):
-        path = fetch(name, quiet=True)
-        runner, loaded = start_runner(path, args.threads, "")
-        sides = {False: (runner, False), True: (runner, True)}  # (runner, spec_ngram)
-        if args.draft:
-            layers, _, qtype = args.draft.partition(":")
-            DRAFTS.mkdir(parents=True, exist_ok=True)
-            draft = write_draft(path, DRAFTS / f"{path.stem}-{layers}{qtype and '-' + qtype}.gguf", int(layers),
-                                qtype or None)
-            draft_runner, draft_loaded = start_runner(path, args.threads, str(draft))
-            sides[True] = (draft_runner, False)
-        tokenizer = loaded.model.tokenizer
-        text = copy_text(tokenizer)
-        tasks = {
-            "copy": (chat(tokenizer, "Repeat the following text exactly, word for word:\n\n" + text), 256),
-            "chat": (chat(tokenizer, "Write a short story about a dragon who learns to bake bread."), 160),
-        }
-        n_prompt = {task: len(tokenizer.encode(prompt, add_special=True)) for task, (prompt, _) in tasks.items()}
-        llama = LlamaCppSide(path, args.threads, draft if args.draft else None) if args.llama_cpp else None
-        for task, (prompt, n) in tasks.items():
-            n = max(int(n * args.scale), 8)
-            for side_runner, _ in sides.values():
-                run(side_runner, prompt, False, 4)  # warm: the prompt in the cache
-            plain, spec, ratios, accept, same = [], [], [], [], True
-            lc_plain, lc_spec = [], []
-            for r in range(args.rounds):
-                order = (False, True) if r % 2 == 0 else (True, False)
-                results = {}
-                for side in order:
-                    started = time.perf_counter()
-                    results[side] = run(sides[side][0], prompt, sides[side][1], n)
-                    print(f"  round {r} {task} {'spec' if side else 'plain'}: {results[side][0]:.1f} tok/s "
-                          f"({time.perf_counter() - started:.1f} s)", file=sys.stderr, flush=True)
-                    if llama is not None:
-                        (lc_spec if side else lc_plain).append(llama.run(prompt, side, n))
-                plain.append(results[False][0])
-                spec.append(results[True][0])
-                ratios.append(results[True][0] / results[False][0])
-                drafted, accepted = results[True][2], results[True][3]
-                accept.append(accepted / drafted if drafted else 0.0)
-                same &= results[True][1] == results[False][1]
-            line = (f"{name} {task} (prompt {n_prompt[task]}, {n} generated): plain {statistics.median(plain):.1f} "
-                    f"tok/s, spec {statistics.median(spec):.1f} tok/s, ratio median {statistics.median(ratios):.2f} "
-                    f"(min {min(ratios):.2f}, max {max(ratios):.2f}), acceptance {statistics.median(accept):.0%}, "
-                    f"tokens equal: {same}, rows cap {runner.spec_rows}{', draft ' + args.draft if args.draft else ''}")
-            if llama is not None:
-                line += (f"; llama-cpp-python plain {statistics.median(lc_plain):.1f}, "
-                         f"{'draft model' if args.draft else 'prompt lookup'} "
-                         f"{statistics.median(lc_spec):.1f} tok/s "
-                         f"(x{statistics.median(s / p for s, p in zip(lc_spec, lc_plain, strict=True)):.2f})")
-            print(line, flush=True)
+        with contextlib.ExitStack() as stack:
+            bench_model(name, args, stack)
+
+
+def bench_model(name: str, args: argparse.Namespace, stack: contextlib.ExitStack) -> None:
+    """Every task on one model: ours plain and speculating, and the llama.cpp sides asked for, interleaved."""
+    path = fetch(name, quiet=True)
+    runner, loaded = stack.enter_context(started_runner(path, args.threads, ""))
+    sides = {False: (runner, False), True: (runner, True)}  # (runner, spec_ngram)
+    draft = None
+    if args.draft:
+        layers, _, qtype = args.draft.partition(":")
+        DRAFTS.mkdir(parents=True, exist_ok=True)
+        draft = write_draft(path, DRAFTS / f"{path.stem}-{layers}{qtype and '-' + qtype}.gguf", int(layers),
+                            qtype or None)
+        sides[True] = (stack.enter_context(started_runner(path, args.threads, str(draft)))[0], False)
+    tokenizer = loaded.model.tokenizer
+    text = copy_text(tokenizer)
+    tasks = {
+        "copy": (chat(tokenizer, "Repeat the following text exactly, word for word:\n\n" + text), 256),
+        "chat": (chat(tokenizer, "Write a short story about a dragon who learns to bake bread."), 160),
+    }
+    n_prompt = {task: len(tokenizer.encode(prompt, add_special=True)) for task, (prompt, _) in tasks.items()}
+    llama = LlamaCppSide(path, args.threads, draft) if args.llama_cpp else None
+    server = None
+    if args.llama_server is not None:
+        spec_args = ["-md", str(draft)] if draft else shlex.split(args.llama_spec)
+        server = stack.enter_context(LlamaServerSide.started(args.llama_server, path, args.threads, spec_args))
+    for task, (prompt, n) in tasks.items():
+        n = max(int(n * args.scale), 8)
+        for side_runner, _ in sides.values():
+            run(side_runner, prompt, False, 4)  # warm: the prompt in the cache
+        if server is not None:
+            for spec in (False, True):
+                server.run(prompt, spec, 4)
+        ours, theirs, lc = Sides(), Sides(), Sides()
+        for r in range(args.rounds):
+            order = (False, True) if r % 2 == 0 else (True, False)
+            for side in order:
+                started = time.perf_counter()
+                ours.add(side, run(sides[side][0], prompt, sides[side][1], n))
+                print(f"  round {r} {task} {'spec' if side else 'plain'}: {ours.rows[side][-1][0]:.1f} tok/s "
+                      f"({time.perf_counter() - started:.1f} s)", file=sys.stderr, flush=True)
+                if server is not None:
+                    theirs.add(side, server.run(prompt, side, n))
+                    print(f"  round {r} {task} llama-server {'spec' if side else 'plain'}: "
+                          f"{theirs.rows[side][-1][0]:.1f} tok/s", file=sys.stderr, flush=True)
+                if llama is not None:
+                    lc.add(side, (llama.run(prompt, side, n), [], 0, 0))
+        line = (f"{name} {task} (prompt {n_prompt[task]}, {n} generated): {ours.summary()}, rows cap "
+                f"{runner.spec_rows}{', draft ' + args.draft if args.draft else ''}")
+        if server is not None:
+            line += f"; llama-server ({' '.join(spec_args)}): {theirs.summary()}"
+        if llama is not None:
+            line += (f"; llama-cpp-python plain {statistics.median(lc.speeds(False)):.1f}, "
+                     f"{'draft model' if args.draft else 'prompt lookup'} {statistics.median(lc.speeds(True)):.1f} "
+                     f"tok/s (x{statistics.median(lc.ratios()):.2f})")
+        print(line, flush=True)
+
+
+class Sides:
+    """One engine's runs of a task, plain (False) and speculating (True), round by round."""
+
+    def __init__(self) -> None:
+        self.rows: dict[bool, list[tuple[float, list[int], int, int]]] = {False: [], True: []}
+
+    def add(self, spec: bool, result: tuple[float, list[int], int, int]) -> None:
+        self.rows[spec].append(result)
+
+    def speeds(self, spec: bool) -> list[float]:
+        return [row[0] for row in self.rows[spec]]
+
+    def ratios(self) -> list[float]:
+        return [s / p for s, p in zip(self.speeds(True), self.speeds(False), strict=True)]
+
+    def summary(self) -> str:
+        """Median tokens/s of each side, the median (min-max) of the rounds' ratios, acceptance, same tokens."""
+        ratios = self.ratios()
+        accept = [row[3] / row[2] if row[2] else 0.0 for row in self.rows[True]]
+        same = all(s[1] == p[1] for s, p in zip(self.rows[True], self.rows[False], strict=True))
+        return (f"plain {statistics.median(self.speeds(False)):.1f} tok/s, spec "
+                f"{statistics.median(self.speeds(True)):.1f} tok/s, ratio median {statistics.median(ratios):.2f} "
+                f"(min {min(ratios):.2f}, max {max(ratios):.2f}), acceptance {statistics.median(accept):.0%} "
+                f"({sum(r[3] for r in self.rows[True])}/{sum(r[2] for r in self.rows[True])}), "
+                f"tokens equal: {same}")
+
+
+@contextlib.contextmanager
+def started_runner(path: Path, threads: int, draft: str) -> Iterator[tuple[Runner, object]]:
+    runner, loaded = start_runner(path, threads, draft)
+    try:
+        yield runner, loaded
+    finally:
         runner.close()
         loaded.close()
-        if args.draft:
-            draft_runner.close()
-            draft_loaded.close()
 
 
 def start_runner(path: Path, threads: int, draft: str) -> tuple[Runner, object]:
