@@ -26,9 +26,10 @@ from ollama_engine.ml.memory import BackendMemory, DeviceInfo
 from ollama_engine.runner.allocate import LoadedModel, open_model
 from ollama_engine.runner.embed import Embedding, embed, rerank, supports_embeddings, supports_rerank
 from ollama_engine.runner.loop import Runner
-from ollama_engine.runner.sequence import InputTooLongError, Piece
+from ollama_engine.runner.sequence import InputTooLongError
 from ollama_engine.sample import GrammarError
 
+from .direct import DirectStream
 from .wire import (
     CompletionRequest,
     Float32,
@@ -258,16 +259,11 @@ class RunnerServer:
             self._inbox = LoopInbox(asyncio.get_running_loop())
             runner.hold_output = self._inbox.hold
         inbox = self._inbox
-        queue: asyncio.Queue[Piece | None] = asyncio.Queue()
-
-        def deliver(item: Piece | None) -> None:
-            queue.put_nowait(item)
-            if item is None:
-                slots.release()  # the sequence has left its place in the batch loop
+        stream = DirectStream(inbox.put, seq.quit.set, slots.release)  # the slot: once the sequence has left the loop
 
         try:
             with runner.cond:  # the batch loop takes inputs under this lock: count the reused ones before it can
-                runner.add(seq, lambda item: inbox.put(deliver, item))
+                runner.add(seq, stream.put)
                 cached = seq.num_prompt_inputs - len(seq.inputs)
         except Exception as err:
             slots.release()
@@ -277,8 +273,14 @@ class RunnerServer:
         response.enable_chunked_encoding()
         try:
             await response.prepare(request)
-            while (piece := await queue.get()) is not None:
-                await response.write(completion_line(piece.text, piece.logprobs))
+            while (item := await stream.get()) is not None:
+                if isinstance(item, bytes):  # the rest of a chunk the batch loop could not write at once
+                    assert request.transport is not None
+                    request.transport.write(item)  # the next response.write waits for the buffer to drain
+                else:
+                    await response.write(completion_line(item.text, item.logprobs))
+                    stream.go_direct(request.transport)
+            stream.stop()
             assert seq.done_reason is not None
             if seq.error is not None:  # no result: the stream ends without done (the parent reports the error)
                 await response.write(encode({"error": seq.error}))
@@ -295,6 +297,7 @@ class RunnerServer:
         except ConnectionResetError:
             log.debug("client went away during a completion")
         finally:
+            stream.stop()
             seq.quit.set()  # a no-op once the sequence has ended; otherwise the loop ends it
         return response
 
