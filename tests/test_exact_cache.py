@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from ollama_engine.runner.exact import UNKNOWN, resume_point, row_kernels
+from ollama_engine.runner.exact import UNKNOWN, extension_resumes, resume_point, row_kernels
 from ollama_engine.runner.prompt_cache import InputCache, InputCacheSlot
 
 
@@ -77,3 +77,37 @@ def test_the_input_cache_records_and_trims_the_classes():
     cache.record_rows(slot, 10, [0], 1)  # positions from 10 on were replaced
     assert len(slot.kernels) == 11
     assert cache.chunk_limit(0) == 512 and cache.chunk_limit(500) == 12 and cache.chunk_limit(512) == 512
+
+
+def hybrid_resume(kernels: bytes, common: int, length: int, batch_size: int, checkpoints: set[int]) -> int:
+    """Where InputCache resumes a cache that continues only at `checkpoints` (prompt_cache._resumable)."""
+    resume = resume_point(kernels, common, length, batch_size)
+    while resume > 0 and resume not in checkpoints:
+        earlier = resume_point(kernels, max((c for c in checkpoints if c <= resume), default=0), length, batch_size)
+        resume = 0 if earlier >= resume else earlier
+    return resume
+
+
+@pytest.mark.parametrize("batch_size", [512, 256])
+def test_a_hybrid_resumes_a_longer_prompt_at_a_checkpoint_extension_resumes_names(batch_size: int):
+    """A prompt's last batch (its rows beside other sequences' rows) keeps recurrent checkpoints where
+    extension_resumes says: a later prompt extending it (by 0 to 300 inputs: a regenerated turn, short and long
+    turns) resumes at the one a dense cache would resume at, or at most 64 inputs before it."""
+    rng = random.Random(batch_size)
+    for _ in range(3000):
+        first = rng.choice([0, rng.randrange(0, 600, 4)])
+        length = first + rng.randint(2, batch_size - first % batch_size)
+        row = rng.choice([0, 0, rng.randint(0, 40)])
+        rows = row + length - first + rng.choice([0, 0, rng.randint(0, 40)])
+        kernels = bytearray(evaluated(0, first, batch_size))
+        kernels += row_kernels(range(row, row + length - first), rows, length - first)
+        kernels += decoded(rng.randint(0, 40))
+        later = length + rng.choice([0, rng.randint(1, 63), rng.randint(64, 300)])
+        common = min(len(kernels), later - 1)
+        dense = resume_point(kernels, common, later, batch_size)
+        checkpoints = set(extension_resumes(length, first, row, rows)) | {length, first}
+        resumed = hybrid_resume(bytes(kernels), common, later, batch_size, checkpoints)
+        case = (first, length, row, rows, later, dense, resumed)
+        assert resumed <= dense, case
+        if dense > first:
+            assert dense - resumed <= 64, case

@@ -224,3 +224,41 @@ def test_an_evicted_slot_is_reused_from_a_zero_state_and_a_fork_into_it_shares_t
     np.testing.assert_array_equal(extended, fresh(model, 1, [(B[:16], 8), (A[:5], 8)]))
     cache.remove(0, 0)  # evicted: the next sequence in this slot starts from zeros, not the old state
     np.testing.assert_array_equal(feed(model, 0, A[:20], 0), fresh(model, 1, [(A[:20], 64)]))
+
+
+def test_a_prompt_end_keeps_resume_checkpoints_inside_its_batch_until_the_next_one(hybrid):
+    """resume_rule (the runner's exact prompt cache sets it) names where a later prompt may resume: the batch
+    ending the prompt keeps the state there too, only for positions inside it, the newest K (2) of them, and
+    the next prompt end replaces them. Restoring one continues as a sequence fed up to there does, bitwise."""
+    model = hybrid(min_position=0)
+    cache = model.cache
+    asked: list[tuple[int, int, int, int]] = []
+
+    def rule(length: int, first: int, row: int, rows: int) -> tuple[int, ...]:
+        asked.append((length, first, row, rows))
+        return (length - 70, length - 13, length - 6, length - 3, length)  # outside, inside x3, the end
+
+    cache.resume_rule = rule
+    tokens = A + B
+    feed(model, 0, tokens[:40], 0, 16)  # batches 0..15, 16..31 and 32..39: only the last ends the prompt
+    assert asked == [(40, 32, 0, 8)]
+    assert cache.checkpoints(0) == [15, 31, 33, 36, 39]  # the interval's, the last full batch's, two cuts, the end
+    feed(model, 0, tokens[40:44], 40, 16)  # the next prompt end replaces 33 and 36 by 40 (44 - 3 alone is inside)
+    assert cache.checkpoints(0) == [15, 31, 39, 40, 43]
+    cache.remove(0, 41, TO_END)
+    assert cache.position(0) == 41 and cache.checkpoints(0) == [15, 31, 39, 40]
+    cache.resume_rule = None
+    np.testing.assert_array_equal(feed(model, 0, tokens[41:48], 41, 16),
+                                  fresh(model, 1, [(tokens[:40], 16), (tokens[40:41], 16), (tokens[41:48], 16)]))
+
+
+def test_resume_checkpoints_take_rows_of_their_own(hybrid):
+    """K resume checkpoints per sequence beside the C others: (S * (1 + C + K) + 2) rows a layer (fit reports
+    the tensor init allocates: tests/recurrent_checks.assert_states_fit_and_run)."""
+    with_resumes, without = hybrid(sequences=3, checkpoints=4), hybrid(sequences=3, checkpoints=4, resumes=0)
+    for layer, sizes in with_resumes.cache.state_sizes.items():
+        row = sum(sizes) * 4
+        assert with_resumes.cache.state_bytes(layer) == row * (3 * (1 + 4 + 2) + 2)
+        assert without.cache.state_bytes(layer) == row * (3 * (1 + 4) + 2)
+    with pytest.raises(ValueError):
+        Recurrent(None, {0: (4,)}, resumes=-1)
