@@ -38,12 +38,15 @@ def native_threads() -> int:
     return len(os.listdir("/proc/self/task")) - threading.active_count()
 
 
-def settled(at_most: int, seconds: float = 5.0) -> int:
-    """native_threads() once it is at most `at_most` (a pool's workers leave shortly after their thread), or
-    its value after `seconds`."""
+def steady(seconds: float = 5.0) -> int:
+    """native_threads() once it has not changed for 0.3 s (a pool's workers leave shortly after their thread,
+    a new pool's start with its first compute), or its value after `seconds`."""
     deadline = time.monotonic() + seconds
-    while (count := native_threads()) > at_most and time.monotonic() < deadline:
-        time.sleep(0.01)
+    count, since = native_threads(), time.monotonic()
+    while time.monotonic() < deadline and time.monotonic() - since < 0.3:
+        time.sleep(0.02)
+        if (now := native_threads()) != count:
+            count, since = now, time.monotonic()
     return count
 
 
@@ -94,7 +97,8 @@ class LongLived:
 
 @pytest.fixture
 def loaded(stories_path) -> LoadedModel:
-    loaded = open_model(str(stories_path), LoadParams(parallel=4, batch_size=64, kv_size=512, num_threads=THREADS),
+    loaded = open_model(str(stories_path), LoadParams(parallel=4, batch_size=64, kv_size=512, num_threads=THREADS,
+                                             multi_user_cache=True),
                         allocate=True)
     loaded.model.backend.load()
     yield loaded
@@ -113,11 +117,11 @@ def decode(loaded: LoadedModel, seq: int, tokens: list[int], start: int = 0) -> 
 def test_a_cache_shift_and_copy_on_another_long_lived_thread_leave_no_pool(loaded):
     """The compute thread keeps its pool; the builder's copy and shift are done and leave none behind."""
     prompt = [1, 403, 407, 261, 378, 395, 289, 307]
-    base = settled(native_threads())
+    base = steady()
     compute, builder = LongLived("compute"), LongLived("builder")
     try:
         compute.run(lambda: decode(loaded, 0, prompt))
-        with_pool = settled(base)
+        with_pool = steady()
         if with_pool == base:
             pytest.skip("ggml's CPU backend left no worker threads: not built with OpenMP")
         assert with_pool == base + THREADS - 1
@@ -127,7 +131,7 @@ def test_a_cache_shift_and_copy_on_another_long_lived_thread_leave_no_pool(loade
         builder.run(lambda: cache.remove(2, 0, None))
         builder.run(lambda: cache.copy_prefix(0, 2, len(prompt)))
         builder.run(lambda: cache.remove(2, 1, 3))  # a context shift: positions 3.. move down by 2
-        assert settled(with_pool) == with_pool, "the builder's computes left an OpenMP pool beside the compute thread's"
+        assert steady() == with_pool, "the builder's computes left an OpenMP pool beside the compute thread's"
 
         # the side computes did their work: the copy continues exactly as the original, the shifted sequence
         # exactly as the same copy and shift done on the compute thread itself
@@ -179,7 +183,8 @@ def run_streams(runner: Runner, prompts: list[str], num_predict: int) -> list[in
 
 def test_one_stream_after_four_shifted_streams(loaded):
     """Issue 33's sequence: 1 stream, 4 streams whose context shifts, 1 stream. The later stream's graphs attend
-    to its own region as the first's did, and the runner keeps one pool: its compute thread's."""
+    to its own region as the first's did, and the runner keeps one pool: its compute thread's (the shifts ran on the
+    batch builder, the prefix copy on the thread that added the sequence)."""
     cache = loaded.model.cache
     region, num_ctx = cache.region, loaded.input_cache.num_ctx
     layouts: list[tuple] = []
@@ -191,28 +196,40 @@ def test_one_stream_after_four_shifted_streams(loaded):
         return layout
 
     cache.prepare = recording
+    copies: list[tuple[int, int, int]] = []
+    copy_prefix = cache.copy_prefix
+
+    def copying(source: int, destination: int, length: int) -> None:
+        copies.append((source, destination, length))
+        copy_prefix(source, destination, length)
+
     errors: list[BaseException] = []
-    base = settled(native_threads())
     runner = Runner(loaded, errors.append)
     runner.start()
     try:
         words = "the little dog ran to the old tree and saw a big red ball"
         assert run_streams(runner, [f"Story 1: {words}"], 40) == [40]
         first = [entry for entry in layouts if len(entry[1]) == 1]
-        one_pool = settled(base)
+        one_pool = steady()
         layouts.clear()
         shifted = run_streams(runner, [f"Story {i}: {words}" for i in range(2, 6)], num_ctx + 20)
         assert shifted == [num_ctx + 20] * 4  # each went past its context: shifted on the batch builder
         layouts.clear()
         assert run_streams(runner, [f"Story 6: {words}"], 40) == [40]
+        # multi-user cache: a prompt continuing the newest slot's prompt gets its prefix copied into the oldest
+        # slot, by runner.add on this (the main) thread, as the runner's HTTP handlers do on theirs
+        cache.copy_prefix = copying
+        assert run_streams(runner, [f"Story 6: {words} and then"], 40) == [40]
         later = [entry for entry in layouts if len(entry[1]) == 1]
-        assert settled(one_pool) == one_pool, "a shift left the batch builder's OpenMP pool beside the compute thread's"
+        assert copies, "the last prompt's prefix was not copied from another slot"
+        assert steady() == one_pool, "a shift or copy left an OpenMP pool beside the compute thread's"
     finally:
         runner.close()
-        cache.prepare = prepare
+        cache.prepare, cache.copy_prefix = prepare, copy_prefix
     assert not errors
-    # the KV view: the slot's own cells, as long as the first stream's was at each step
+    # the KV view: the slot's own cells, as long as the first stream's was at each step (both later streams)
     for seq, ((_, start, length),) in later:
         assert seq * region <= start and start + length <= (seq + 1) * region
     decode_lengths = [layout[0][2] for _, layout in first if layout[0][0] == 1]
-    assert [layout[0][2] for _, layout in later if layout[0][0] == 1] == decode_lengths
+    for slot in {seq for seq, _ in later}:
+        assert [layout[0][2] for seq, layout in later if seq == slot and layout[0][0] == 1] == decode_lengths

@@ -9,22 +9,26 @@ batch builder computing a context shift (or a prefix copy) left its pool behind,
 decode step of stories260K took 3-5x as long as before, on the same graph (issue 33: "a single stream decodes
 ~5x slower after four streams", which was the first shift, not the streams).
 
-So a graph is computed in place only on the main thread or on a thread that called compute_here() (the
-thread that runs a model's forward graphs: the runner's compute thread); a compute asked for from any other
-thread runs on a short-lived thread that ends right after it, taking its pool with it. Those computes (cache
-shifts, prefix copies, vision towers, embeddings) happen per request, not per token: a thread start costs far
-less than they do. Computes of one backend are serialized by its compute lock either way.
+So a graph is computed in place only on a thread that called compute_here() (the thread that runs a model's
+forward graphs: the runner's compute thread), or on the main thread while no other thread has: a script or a
+test computing on its main thread keeps one pool, but in the runner the main thread runs the HTTP event loop,
+whose handlers may copy a cached prefix (runner.add -> load_slot). A compute asked for from any other thread
+runs on a short-lived thread that ends right after it, taking its pool with it. Those computes (cache shifts,
+prefix copies, vision towers, embeddings) happen per request, not per token: a thread start costs far less
+than they do. Computes of one backend are serialized by its compute lock either way.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 from typing import TypeVar
 
 T = TypeVar("T")
 
 _local = threading.local()  # in_place: set by compute_here(); gone with its thread, so never inherited by a reused id
+_claimed: weakref.WeakSet[threading.Thread] = weakref.WeakSet()  # the threads that called compute_here()
 
 
 def compute_here() -> None:
@@ -32,12 +36,17 @@ def compute_here() -> None:
 
     For the one thread of a process that computes every step; each further such thread is another pool.
     """
-    _local.in_place = True
+    if not getattr(_local, "in_place", False):
+        _local.in_place = True
+        _claimed.add(threading.current_thread())
 
 
 def computes_in_place() -> bool:
     """Whether a compute asked for on the calling thread runs on it."""
-    return threading.current_thread() is threading.main_thread() or getattr(_local, "in_place", False)
+    if getattr(_local, "in_place", False):
+        return True
+    main = threading.main_thread()
+    return threading.current_thread() is main and not any(t.is_alive() for t in list(_claimed) if t is not main)
 
 
 def run_compute(compute: Callable[[], T]) -> T:
