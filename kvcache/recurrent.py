@@ -60,7 +60,7 @@ from .causal import Causal
 DEFAULT_CHECKPOINTS = 24  # Ollama's DefaultCheckpointCount, MinPos and Interval
 DEFAULT_MIN_POSITION = 16
 DEFAULT_INTERVAL = 1664
-RESUME_CHECKPOINTS = 2  # as many as runner/exact.extension_resumes gives
+RESUME_CHECKPOINTS = 3  # as many as runner/exact.extension_resumes gives
 
 
 class StateError(CacheError):

@@ -88,11 +88,12 @@ def hybrid_resume(kernels: bytes, common: int, length: int, batch_size: int, che
     return resume
 
 
-@pytest.mark.parametrize("batch_size", [512, 256])
+@pytest.mark.parametrize("batch_size", [512, 256, 100])
 def test_a_hybrid_resumes_a_longer_prompt_at_a_checkpoint_extension_resumes_names(batch_size: int):
     """A prompt's last batch (its rows beside other sequences' rows) keeps recurrent checkpoints where
     extension_resumes says: a later prompt extending it (by 0 to 300 inputs: a regenerated turn, short and long
-    turns) resumes at the one a dense cache would resume at, or at most 64 inputs before it."""
+    turns) resumes where a dense cache would, when that is inside the prompt's last batch and the later prompt
+    adds 64 inputs or more or goes past that batch's end; at most 64 inputs before it otherwise."""
     rng = random.Random(batch_size)
     for _ in range(3000):
         first = rng.choice([0, rng.randrange(0, 600, 4)])
@@ -102,12 +103,15 @@ def test_a_hybrid_resumes_a_longer_prompt_at_a_checkpoint_extension_resumes_name
         kernels = bytearray(evaluated(0, first, batch_size))
         kernels += row_kernels(range(row, row + length - first), rows, length - first)
         kernels += decoded(rng.randint(0, 40))
-        later = length + rng.choice([0, rng.randint(1, 63), rng.randint(64, 300)])
+        added = rng.choice([0, rng.randint(1, 63), rng.randint(64, 300)])
+        later = length + added
         common = min(len(kernels), later - 1)
         dense = resume_point(kernels, common, later, batch_size)
-        checkpoints = set(extension_resumes(length, first, row, rows)) | {length, first}
+        checkpoints = set(extension_resumes(length, batch_size, first, row, rows)) | {length, first}
         resumed = hybrid_resume(bytes(kernels), common, later, batch_size, checkpoints)
         case = (first, length, row, rows, later, dense, resumed)
         assert resumed <= dense, case
-        if dense > first:
+        if dense > first and (added >= 64 or later > (first // batch_size + 1) * batch_size):
+            assert resumed == dense, case
+        elif dense > first:
             assert dense - resumed <= 64, case

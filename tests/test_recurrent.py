@@ -230,13 +230,13 @@ def test_a_prompt_end_keeps_resume_checkpoints_inside_its_batch_until_the_next_o
     """resume_rule (the runner's exact prompt cache sets it) names where a later prompt may resume: the batch
     ending the prompt keeps the state there too, only for positions inside it, the newest K (2) of them, and
     the next prompt end replaces them. Restoring one continues as a sequence fed up to there does, bitwise."""
-    model = hybrid(min_position=0)
+    model = hybrid(min_position=0, resumes=2)
     cache = model.cache
     asked: list[tuple[int, int, int, int]] = []
 
     def rule(length: int, first: int, row: int, rows: int) -> tuple[int, ...]:
         asked.append((length, first, row, rows))
-        return (length - 70, length - 13, length - 6, length - 3, length)  # outside, inside x3, the end
+        return (length - 70, length - 7, length - 6, length - 3, length)  # outside, inside x3, the end
 
     cache.resume_rule = rule
     tokens = A + B
@@ -253,12 +253,12 @@ def test_a_prompt_end_keeps_resume_checkpoints_inside_its_batch_until_the_next_o
 
 
 def test_resume_checkpoints_take_rows_of_their_own(hybrid):
-    """K resume checkpoints per sequence beside the C others: (S * (1 + C + K) + 2) rows a layer (fit reports
-    the tensor init allocates: tests/recurrent_checks.assert_states_fit_and_run)."""
+    """K (3) resume checkpoints per sequence beside the C others: (S * (1 + C + K) + 2) rows a layer (fit
+    reports the tensor init allocates: tests/recurrent_checks.assert_states_fit_and_run)."""
     with_resumes, without = hybrid(sequences=3, checkpoints=4), hybrid(sequences=3, checkpoints=4, resumes=0)
     for layer, sizes in with_resumes.cache.state_sizes.items():
         row = sum(sizes) * 4
-        assert with_resumes.cache.state_bytes(layer) == row * (3 * (1 + 4 + 2) + 2)
+        assert with_resumes.cache.state_bytes(layer) == row * (3 * (1 + 4 + 3) + 2)
         assert without.cache.state_bytes(layer) == row * (3 * (1 + 4) + 2)
     with pytest.raises(ValueError):
         Recurrent(None, {0: (4,)}, resumes=-1)

@@ -79,17 +79,21 @@ def resume_point(kernels: bytes | bytearray, common: int, length: int, batch_siz
     return 0
 
 
-def extension_resumes(length: int, first: int = 0, row: int = 0, batch_rows: int | None = None) -> tuple[int, ...]:
+def extension_resumes(length: int, batch_size: int, first: int = 0, row: int = 0,
+                      batch_rows: int | None = None) -> tuple[int, ...]:
     """Where a later prompt extending a `length`-input prompt resumes, the prompt's last batch holding its
     positions first..length - 1 in rows row.. of batch_rows (default: that batch is the prompt alone).
 
     Its last reusable input is the last multiple of GROUP_ROWS among those computed by the many-row matmul
-    (the batch's last `batch_rows % 4` rows were a one-row matmul's); the later prompt resumes there if it adds
-    at least TILED_ATTENTION_ROWS inputs after it, else TILED_ATTENTION_ROWS earlier, so that the rows evaluated
-    again reach the tiled attention a cold run gives them (for any prompt at least `length` long). The prompt's
-    last batch must have had as many rows as a cold run of the later prompt gives it (at least
-    TILED_ATTENTION_ROWS each, or fewer each) for either to be reused. Positive positions only, ascending."""
+    (the batch's last `batch_rows % 4` rows were a one-row matmul's). The later prompt resumes there if it adds
+    at least TILED_ATTENTION_ROWS inputs after it and stays in the batch a cold run cuts there; else
+    TILED_ATTENTION_ROWS earlier (it adds fewer), or TILED_ATTENTION_ROWS before that batch's end (it goes past
+    it): so that the rows evaluated again reach the tiled attention a cold run gives them. The prompt's last
+    batch must have had as many rows as a cold run of the later prompt gives it (at least TILED_ATTENTION_ROWS
+    each, or fewer each) for any of them to be reused. Positive positions only, ascending."""
     rows = length - first + row if batch_rows is None else batch_rows
     reusable = min(length, first + rows - rows % GROUP_ROWS - row)
     last = reusable - reusable % GROUP_ROWS
-    return tuple(p for p in (last - TILED_ATTENTION_ROWS, last) if p > 0)
+    end = (first // batch_size + 1) * batch_size - TILED_ATTENTION_ROWS
+    end -= end % GROUP_ROWS
+    return tuple(sorted({p for p in (last - TILED_ATTENTION_ROWS, min(end, last), last) if p > 0}))

@@ -125,7 +125,7 @@ class InputCache:
         """Where a later prompt extending a `length`-input one (its last batch: positions first.. in rows row..
         of batch_rows) may resume: under exact reuse the points runner/exact.py would choose; otherwise the
         prompt's end, where a checkpoint is anyway."""
-        return extension_resumes(length, first, row, batch_rows) if self.exact else ()
+        return extension_resumes(length, self.batch_size, first, row, batch_rows) if self.exact else ()
 
     @property
     def enabled(self) -> bool:
