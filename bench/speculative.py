@@ -13,9 +13,10 @@ after the first short, and only the decode phase is timed (first token to last, 
 included). Reported: the median tokens/s of each side, the median of the per-round ratios, the acceptance
 (accepted / drafted tokens), and that the spec run's tokens equal the plain run's.
 
---draft: the speculating side is a second runner loaded with a draft model instead of n-grams; the draft is cut
-from the target (tests/synthetic/draft.py: its first LAYERS layers, requantized to TYPE if given), as no smaller
-real model shares SmolLM2's vocabulary. Drafts are written once under ~/.cache/ollama-engine/drafts.
+--draft: the runner is loaded with a draft model, which the speculating side's requests use instead of n-grams
+(the plain side's requests drop their speculator); the draft is cut from the target (tests/synthetic/draft.py:
+its first LAYERS layers, requantized to TYPE if given), as no smaller real model shares SmolLM2's vocabulary.
+Drafts are written once under ~/.cache/ollama-engine/drafts.
 
 --llama-cpp adds llama-cpp-python's own prompt-lookup speculation (Llama(draft_model=
 LlamaPromptLookupDecoding)), same GGUF and threads, plain and speculative, interleaved the same way.
@@ -23,7 +24,8 @@ LlamaPromptLookupDecoding)), same GGUF and threads, plain and speculative, inter
 --llama-server adds llama.cpp's own speculation in its server (built from the pinned source by
 `bench/serve_bench.py --build-llama-server`): two llama-server processes on the same GGUF and threads, one
 plain and one speculating (--llama-spec, default `--spec-type ngram-simple`, its n-gram lookup with its
-defaults; with --draft, `-md` and the same draft GGUF as ours, llama.cpp's draft defaults), each request
+defaults; with --draft, `-md` and the same draft GGUF as ours with `--spec-type draft-simple`, without which
+the pinned llama-server loads the draft and never drafts; llama.cpp's draft defaults), each request
 /completion greedy with the prompt cached, in the same rounds right after our run of the same side. Its
 tokens/s is its own `timings.predicted_per_second` (tokens after the first over the time from the first to
 the last, as ours), its acceptance `draft_n_accepted / draft_n`.
@@ -82,7 +84,8 @@ def chat(tokenizer, user: str) -> str:
 
 
 def run(runner: Runner, prompt: str, spec: bool, n: int) -> tuple[float, list[int], int, int]:
-    """tokens/s of the decode phase, the tokens, drafted and accepted counts."""
+    """tokens/s of the decode phase, the tokens, drafted and accepted counts. spec: n-grams, or the runner's draft
+    model where it has one; without, plain decoding (a draft model's runner then drops the request's speculator)."""
     done, tokens = threading.Event(), []
     options = SequenceOptions(sampler=Sampler(temperature=0), num_predict=n, spec_ngram=spec, logprobs=True)
 
@@ -93,6 +96,8 @@ def run(runner: Runner, prompt: str, spec: bool, n: int) -> tuple[float, list[in
             tokens.extend(e["token"] for e in piece.logprobs)
 
     seq = runner.new_sequence(prompt, options)
+    if not spec:
+        seq.spec = None
     runner.add(seq, sink)
     done.wait()
     seconds = seq.last_updated_at - (seq.started_at or 0)
@@ -227,15 +232,16 @@ def main() -> None:
 def bench_model(name: str, args: argparse.Namespace, stack: contextlib.ExitStack) -> None:
     """Every task on one model: ours plain and speculating, and the llama.cpp sides asked for, interleaved."""
     path = fetch(name, quiet=True)
-    runner, loaded = stack.enter_context(started_runner(path, args.threads, ""))
-    sides = {False: (runner, False), True: (runner, True)}  # (runner, spec_ngram)
     draft = None
     if args.draft:
         layers, _, qtype = args.draft.partition(":")
         DRAFTS.mkdir(parents=True, exist_ok=True)
         draft = write_draft(path, DRAFTS / f"{path.stem}-{layers}{qtype and '-' + qtype}.gguf", int(layers),
                             qtype or None)
-        sides[True] = (stack.enter_context(started_runner(path, args.threads, str(draft)))[0], False)
+    # one runner for both sides: with a draft model, its plain requests drop their speculator. Two runners read
+    # the weights into two buffers that evict each other from the CPU's caches: the plain side ran at 24 tok/s
+    # beside a second runner, 40 alone (llama-server's processes map one file: one copy)
+    runner, loaded = stack.enter_context(started_runner(path, args.threads, str(draft or "")))
     tokenizer = loaded.model.tokenizer
     text = copy_text(tokenizer)
     tasks = {
@@ -246,12 +252,11 @@ def bench_model(name: str, args: argparse.Namespace, stack: contextlib.ExitStack
     llama = LlamaCppSide(path, args.threads, draft) if args.llama_cpp else None
     server = None
     if args.llama_server is not None:
-        spec_args = ["-md", str(draft)] if draft else shlex.split(args.llama_spec)
+        spec_args = ["-md", str(draft), "--spec-type", "draft-simple"] if draft else shlex.split(args.llama_spec)
         server = stack.enter_context(LlamaServerSide.started(args.llama_server, path, args.threads, spec_args))
     for task, (prompt, n) in tasks.items():
         n = max(int(n * args.scale), 8)
-        for side_runner, _ in sides.values():
-            run(side_runner, prompt, False, 4)  # warm: the prompt in the cache
+        run(runner, prompt, False, 4)  # warm: the prompt in the cache
         if server is not None:
             for spec in (False, True):
                 server.run(prompt, spec, 4)
@@ -260,7 +265,7 @@ def bench_model(name: str, args: argparse.Namespace, stack: contextlib.ExitStack
             order = (False, True) if r % 2 == 0 else (True, False)
             for side in order:
                 started = time.perf_counter()
-                ours.add(side, run(sides[side][0], prompt, sides[side][1], n))
+                ours.add(side, run(runner, prompt, side, n))
                 print(f"  round {r} {task} {'spec' if side else 'plain'}: {ours.rows[side][-1][0]:.1f} tok/s "
                       f"({time.perf_counter() - started:.1f} s)", file=sys.stderr, flush=True)
                 if server is not None:
@@ -269,8 +274,11 @@ def bench_model(name: str, args: argparse.Namespace, stack: contextlib.ExitStack
                           f"{theirs.rows[side][-1][0]:.1f} tok/s", file=sys.stderr, flush=True)
                 if llama is not None:
                     lc.add(side, (llama.run(prompt, side, n), [], 0, 0))
+        costs = ", ".join(f"{rows}: {1e3 * s:.1f}" for rows, s in runner.step_cost.measured().items())
+        if draft is not None:
+            costs += f"; a draft step {1e3 * loaded.draft.step_seconds:.1f}"
         line = (f"{name} {task} (prompt {n_prompt[task]}, {n} generated): {ours.summary()}, rows cap "
-                f"{runner.spec_rows}{', draft ' + args.draft if args.draft else ''}")
+                f"{runner.spec_rows}{', draft ' + args.draft if args.draft else ''}, ms per step by rows {{{costs}}}")
         if server is not None:
             line += f"; llama-server ({' '.join(spec_args)}): {theirs.summary()}"
         if llama is not None:

@@ -83,6 +83,10 @@ class StepCost:
         old = self._seconds.get(rows)
         self._seconds[rows] = seconds if old is None else DECAY * old + (1 - DECAY) * seconds
 
+    def measured(self) -> dict[int, float]:
+        """The moving averages so far, by rows (for reports)."""
+        return dict(sorted(self._seconds.items()))
+
     def estimate(self, rows: int) -> float | None:
         """Measured, or from the nearest measured sizes (assuming each extra row costs half a step: optimistic,
         so that an unmeasured size gets tried); None before any decode step was measured."""
