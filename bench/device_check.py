@@ -18,7 +18,8 @@ with its own time bound (a hung GPU call costs that step, not the run):
   3. layout:  `plan`'s load loop: num_gpu auto, partial (num_gpu N), and a context that does not fit;
   4. speed:   pp512 / tg128 of ours against llama-bench, full and partial offload;
   5. serve:   serve against llama-server at 1 and 4 streams, interleaved (bench/serve_bench.py);
-  6. bigbatch: TODO (issue 33's step 5: layers left on the CPU, big batches computed on the CPU or the GPU).
+  6. bigbatch: half the layers on the GPU, a 512-row batch's CPU-layer work sent to the GPU (ggml's op offload,
+              the weights copied over) or kept on the CPU: pp512 / tg128 both ways, ours and llama-bench (-nopo).
 
 Results: <out>/device-check.json (every step's numbers) and <out>/summary.md; logs in <out>/build.log and
 <out>/steps.log. <out> is --out, else $OUT (the device tool's folder that comes back), else
@@ -92,7 +93,7 @@ STEPS = (
     Step("layout", 40, 120, False, True),
     Step("speed", 100, 100, True, False),
     Step("serve", 80, 80, True, False),
-    Step("bigbatch", 5, 5, True, False),
+    Step("bigbatch", 120, 120, True, False),
 )
 BUILD_SECONDS = 300
 
@@ -550,12 +551,12 @@ def step_speed(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
-def ours_speed(path: Path, ngl: int) -> dict[str, float]:
+def ours_speed(path: Path, ngl: int, op_offload: bool = True) -> dict[str, float]:
     """tokens/s of one 512-token prompt batch and of 128 decodes, on the last `ngl` layers' GPU."""
     from ollama_engine.kvcache import Batch, cache_dtype
     from ollama_engine.models import load_model
 
-    model = load_model(path, gpu_layout(path, ngl))
+    model = load_model(path, gpu_layout(path, ngl), op_offload=op_offload)
     model.backend.load()
     model.cache.init(model.backend, cache_dtype("f16"), 1, 1024, 512)
     try:
@@ -583,7 +584,21 @@ def step_serve(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def step_bigbatch(args: argparse.Namespace) -> dict[str, Any]:
-    return {"status": "skip", "reason": "TODO (issue 33 step 5): the big-batch choice for CPU layers, both ways"}
+    """Half the layers on the GPU: a 512-row batch's work on the CPU's layers computed on the GPU (ggml's op
+    offload: the weights are copied over for it) or where the weights are; decodes (1 row) stay on the CPU
+    either way. Ours (load_model's op_offload) and llama-bench (-nopo), pp512 and tg128, both ways."""
+    path = model_paths(args)[SYNTHETIC_8B]
+    bench = DEVICE_BUILD / "bin" / "llama-bench"
+    layers = len(gpu_layout(Path(path), None)[0].layers)
+    results: dict[str, Any] = {"model": SYNTHETIC_8B, "ngl": layers // 2, "cases": {}}
+    for case, offload in (("offload", True), ("no_offload", False)):
+        out = subprocess.run([str(bench), "-m", str(path), "-p", "512", "-n", "128", "-ngl", str(layers // 2),
+                              "-nopo", str(int(not offload)), "-r", "1", "-o", "json"],
+                             capture_output=True, text=True, timeout=60, check=True).stdout
+        theirs = {("pp512" if r["n_prompt"] else "tg128"): r["avg_ts"] for r in json.loads(out)}
+        results["cases"][case] = {"llama_bench": theirs, "ours": ours_speed(Path(path), layers // 2, offload)}
+    results["status"] = "report"
+    return results
 
 
 STEP_FUNCTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {

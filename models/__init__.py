@@ -42,18 +42,20 @@ def load_model(
     flash_attention: bool = False,
     repack_weights: bool = True,
     use_mmap: bool = False,
+    op_offload: bool = True,
 ) -> Model:
     """The model in the GGUF file at `path`, on the devices `gpu_layers` chooses (default: the CPU).
 
     repack_weights=False keeps ggml's plain weight layout on the CPU; use_mmap=True maps the file for the
-    CPU's weights instead of reading them (see Backend).
+    CPU's weights instead of reading them (see Backend); op_offload=False keeps a big batch's work on the
+    weights' own device (llama.cpp's --no-op-offload).
     """
     file, tokenizer = _read(path)
     factory = model_class(file.config)
     backend = Backend(
         file, gpu_layers, allocate=allocate, num_threads=num_threads, flash_attention=flash_attention,
         repack_weights=repack_weights, unused_tensors=factory.unused_tensors(file.config), use_mmap=use_mmap,
-        tensor_groups=factory.tensor_groups,
+        tensor_groups=factory.tensor_groups, op_offload=op_offload,
     )
     try:
         return factory(backend, tokenizer)

@@ -102,8 +102,12 @@ class Backend:
         unused_tensors: Callable[[str], bool] | None = None,
         use_mmap: bool = False,
         tensor_groups: TensorGroups | None = None,
+        op_offload: bool = True,
     ):
         self.model = model
+        # ggml sends a big batch's work on weights left in host memory to a GPU (copying the weights there)
+        # when the GPU's backend asks for it (CUDA: 32 rows or more); llama.cpp's --no-op-offload turns it off
+        self.op_offload = op_offload
         self.tensor_groups = tensor_groups or TensorGroups()
         self.unused_tensors = unused_tensors or (lambda name: False)  # neither allocated, counted nor read
         self.repack_weights = repack_weights
@@ -352,7 +356,8 @@ class Backend:
         # the CPU's compute buffer puts tensors on cache lines (ggml's own CPU buffer type: 32 bytes)
         compute_buffer_types = [d.buffer_type for d in self.compute_devices[:-1]]
         compute_buffer_types.append(ggml_backend.cpu_cache_line_buffer_type())
-        self.scheduler = ggml_backend.Scheduler(self._backends, compute_buffer_types, self.max_graph_nodes)
+        self.scheduler = ggml_backend.Scheduler(self._backends, compute_buffer_types, self.max_graph_nodes,
+                                                op_offload=self.op_offload)
 
     def reserve(self, graph) -> None:
         """Make room for this graph's compute buffers (fit: only measure); Graph keeps the maximum."""
