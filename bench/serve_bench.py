@@ -49,7 +49,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path[:0] = [str(HERE), str(ROOT / "tests")]
+sys.path[:0] = [str(HERE), str(ROOT), str(ROOT / "tests")]  # bench helpers, build_ggml, the tests' helpers
 
 from serve_process import free_port, serve_process  # noqa: E402  (tests/: how the tests start serve)
 from workers import WorkerArgs, progress, start_runner  # noqa: E402
@@ -61,11 +61,14 @@ WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly 
 
 
 def build_llama_server(jobs: int) -> Path:
-    """llama-server from the llama.cpp tree build_ggml.py extracted (the source our ggml is built from)."""
+    """llama-server from the llama.cpp tree build_ggml.py extracted (the source our ggml is built from), with
+    the compiler flags of our ggml and the reference (build_ggml.compiler_cmake_args: no AMX kernels)."""
+    from build_ggml import compiler_cmake_args
+
     tree = Path((ROOT / "build" / "source-path.txt").read_text().strip())
     options = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF",
                "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_COMMON=ON",
-               "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"]
+               "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", *compiler_cmake_args()]
     subprocess.run(["cmake", "-S", str(tree), "-B", str(LLAMA_SERVER_BUILD), *options], check=True)
     subprocess.run(["cmake", "--build", str(LLAMA_SERVER_BUILD), "--target", "llama-server", "-j", str(jobs)],
                    check=True)
