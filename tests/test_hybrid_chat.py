@@ -30,7 +30,8 @@ from ollama_engine.runner.loop import Runner
 from ollama_engine.runner.sequence import Piece, SequenceOptions
 from ollama_engine.sample import Sampler
 
-HYBRIDS = ["tiny-lfm2", "tiny-qwen35", "tiny-nemotron_h"]
+HYBRIDS = ["tiny-lfm2", "tiny-lfm2moe", "tiny-qwen3next", "tiny-qwen35", "tiny-qwen35moe", "tiny-nemotron_h",
+           "tiny-nemotron_h_moe"]
 TURNS = 4
 SYSTEM = "<system> you are a patient storyteller who answers in short plain sentences about the sea\n" * 3
 SHORT = "<user> tell me about the old fisherman and his boat, day {}\n<assistant>"  # under 64 inputs a turn
