@@ -122,16 +122,33 @@ def test_the_draft_length_follows_acceptance_and_cost():
         spec.record(6, 6)
     assert spec.worth(6, cost) == 6  # every draft kept: as many as allowed
     for rows in range(1, 8):  # each extra row costs a whole step: compute-bound, nothing can pay
-        cost._seconds[rows] = float(rows)
+        for _ in range(StepCost.WINDOW):
+            cost.record(rows, float(rows))
     assert spec.worth(6, cost) == 0
     for rows in range(1, 8):  # each extra row costs half a step
-        cost._seconds[rows] = 1.0 + 0.5 * (rows - 1)
+        for _ in range(StepCost.WINDOW):
+            cost.record(rows, 1.0 + 0.5 * (rows - 1))
     assert spec.worth(6, cost) == 6
     for _ in range(10):
         spec.record(4, 0)  # drafts rejected: a third of a draft token kept does not pay for half a step
     assert spec.worth(6, cost) == 0
     assert spec.propose(6, cost) == [] and not spec.want  # and the sequence pauses
     assert spec.propose(6, cost) == [] and spec.acceptance == 30 / 70
+
+
+def test_one_slow_step_does_not_turn_speculation_off():
+    """Step costs are medians of recent steps: a 7-row step that took ten times as long once (a busy moment)
+    leaves the estimate where the other steps put it, so speculation that pays goes on."""
+    cost = StepCost()
+    for rows in range(1, 8):
+        for _ in range(4):
+            cost.record(rows, 1.0 + 0.2 * (rows - 1))
+    cost.record(7, 22.0)
+    assert cost.estimate(7) == pytest.approx(2.2)
+    spec = Speculator.of([1, 2, 3] * 4, max_draft=6)
+    for _ in range(5):
+        spec.record(6, 6)
+    assert spec.worth(6, cost) == 6
 
 
 def test_verify_rows_follow_the_kernels(runner):

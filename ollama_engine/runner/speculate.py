@@ -40,6 +40,8 @@ with the pipeline's overlap.
 from __future__ import annotations
 
 import logging
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -58,7 +60,7 @@ MARGIN = 1.1
 """Speculate only where the expected tokens per second beat plain decoding's by this factor (a step that waits
 for its token loses the pipeline's overlap of graph building and compute)."""
 FIRST_PAUSE, LONGEST_PAUSE = 16, 256
-DECAY = 0.8  # weight of the past in the acceptance counts and the step costs
+DECAY = 0.8  # weight of the past in the acceptance counts
 _FULL_PRECISION = {DType.F32, DType.F16, DType.BF16}
 
 
@@ -74,29 +76,33 @@ def verify_rows(model) -> int:
 
 
 class StepCost:
-    """Seconds a batch of n decode rows (1 + drafts) takes to compute, as moving averages per n."""
+    """Seconds a batch of n decode rows (1 + drafts) takes to compute: per n, the median of its last WINDOW steps.
+
+    A median, not a moving average: the costs of 2+ rows are measured only while some sequence speculates, so one
+    slow step on a busy machine would otherwise inflate them until speculation stops and never measures again."""
+
+    WINDOW = 9
 
     def __init__(self) -> None:
-        self._seconds: dict[int, float] = {}
+        self._seconds: dict[int, deque[float]] = {}
 
     def record(self, rows: int, seconds: float) -> None:
-        old = self._seconds.get(rows)
-        self._seconds[rows] = seconds if old is None else DECAY * old + (1 - DECAY) * seconds
+        self._seconds.setdefault(rows, deque(maxlen=self.WINDOW)).append(seconds)
 
     def measured(self) -> dict[int, float]:
-        """The moving averages so far, by rows (for reports)."""
-        return dict(sorted(self._seconds.items()))
+        """The current estimates, by rows (for reports)."""
+        return {rows: statistics.median(self._seconds[rows]) for rows in sorted(self._seconds)}
 
     def estimate(self, rows: int) -> float | None:
         """Measured, or from the nearest measured sizes (assuming each extra row costs half a step: optimistic,
         so that an unmeasured size gets tried); None before any decode step was measured."""
         if rows in self._seconds:
-            return self._seconds[rows]
+            return statistics.median(self._seconds[rows])
         below = [n for n in self._seconds if n < rows]
         if not below:
             return None
         n = max(below)
-        return self._seconds[n] * (1 + 0.5 * (rows - n) / n)
+        return statistics.median(self._seconds[n]) * (1 + 0.5 * (rows - n) / n)
 
 
 class Drafter(Protocol):
