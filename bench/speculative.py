@@ -238,9 +238,10 @@ def bench_model(name: str, args: argparse.Namespace, stack: contextlib.ExitStack
         DRAFTS.mkdir(parents=True, exist_ok=True)
         draft = write_draft(path, DRAFTS / f"{path.stem}-{layers}{qtype and '-' + qtype}.gguf", int(layers),
                             qtype or None)
-    # one runner for both sides: with a draft model, its plain requests drop their speculator. Two runners read
-    # the weights into two buffers that evict each other from the CPU's caches: the plain side ran at 24 tok/s
-    # beside a second runner, 40 alone (llama-server's processes map one file: one copy)
+    # one runner for both sides: with a draft model, its plain requests drop their speculator. Two runners are two
+    # compute threads, two OpenMP pools in one process: libgomp then stops spinning between parallel regions
+    # (RESULTS, "The slow single stream after four streams"), and the plain side ran at 24 tok/s beside a second
+    # runner, 40 alone
     runner, loaded = stack.enter_context(started_runner(path, args.threads, str(draft or "")))
     tokenizer = loaded.model.tokenizer
     text = copy_text(tokenizer)
