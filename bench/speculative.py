@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import shlex
 import statistics
 import subprocess
@@ -159,23 +158,12 @@ def llama_server(binary: Path, model: Path, threads: int, extra: list[str]) -> I
     port = free_port()
     command = [str(binary), "-m", str(model), "--port", str(port), "-np", "1", "-c", "4096", "-t", str(threads),
                "-tb", str(threads), "-b", "512", "-ctk", "f16", "-ctv", "f16", "-fa", "on", "--no-webui", *extra]
-    env = {**os.environ, "LD_PRELOAD": str(no_amx())}
-    with subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env) as server:
+    with subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as server:
         try:
             wait_http(f"http://127.0.0.1:{port}/health", server)
             yield f"http://127.0.0.1:{port}"
         finally:
             server.terminate()
-
-
-def no_amx() -> Path:
-    """bench/no_amx.c compiled (once): llama-server without ggml's AMX kernels, which crash here (see the file)."""
-    library = HERE / "out" / "no_amx.so"
-    source = HERE / "no_amx.c"
-    if not library.exists() or library.stat().st_mtime < source.stat().st_mtime:
-        library.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-o", str(library), str(source), "-ldl"], check=True)
-    return library
 
 
 def llama_cpp_draft(path: Path, threads: int, k: int = 6):
