@@ -18,8 +18,8 @@ layer instead of 32 768. Each sequence has a head; a batch takes the cells from 
 free or hold a position the next token no longer needs, so position p lives in cell p mod region
 whatever the batch sizes were (llama.cpp's find_slot places them the same way). A cache hit that drops
 the tail puts the head after the last position kept, so the sequence continues in the cells a cold run
-uses and computes the same numbers; after a context shift the head goes to the first freed cell, as
-llama.cpp's seq_rm does.
+uses and computes the same numbers; after a context shift the head goes to cell 0, as llama.cpp's
+seq_add puts it (so the ring first reuses the cells before the ones the shift freed).
 
 Variants (all keyword arguments of the constructor):
 - window_size: sliding-window attention, a token sees itself and the `window_size` positions before;
@@ -396,8 +396,10 @@ class Causal:
             pos[moved] += begin - end
             kept = np.flatnonzero(used)  # the unmoved keys are turned by 0: see _shift_keys
             self._shift_keys(cells.start + kept, np.where(moved[kept], begin - end, 0).astype(np.int32))
-            if removed.any():  # llama.cpp's seq_rm: the search starts again at the first freed cell
-                self._heads[seq] = min(self._heads[seq], int(removed.argmax()))
+            # llama.cpp's seq_add (after its seq_rm) starts the next search at cell 0 when no position went
+            # below 0: a ring then reuses the out-of-window cells at its start before the cells freed here.
+            # The same cells in the same order keep the attention's sums, and so the logits, bitwise.
+            self._heads[seq] = 0
         else:
             self._heads[seq] = self._after_last(seq)
 

@@ -213,7 +213,7 @@ def test_swa_mem(backend, permuted_v):
 
 def test_ring_head_after_a_cache_hit_and_after_a_shift(backend):
     """Dropping the tail puts the head after the last position kept (the sequence goes on in the cells a
-    cold run uses); a shift puts it at the first freed cell, as llama.cpp's seq_rm."""
+    cold run uses); a shift puts it at cell 0, as llama.cpp's seq_add (here also the freed cell)."""
     cache = new_cache(backend, Causal(add_shift, window_size=1), False, max_batch=2)
     for p in range(7):
         store(backend, cache, [p])  # positions 4, 5, 6 in cells 0, 1, 2; 3 in cell 3
@@ -223,6 +223,20 @@ def test_ring_head_after_a_cache_hit_and_after_a_shift(backend):
     cache.remove(0, 4, 5)  # drop position 4 (cell 0), position 5 moves down to 4 (its key shifted by -1)
     key, _, _, _ = forward(backend, cache, [60.0], (1, 1, 1), [0], [5])
     assert key.reshape(-1).tolist() == [60.0, 49.0]  # the new position 5 in the freed cell 0, not in cell 2
+
+
+def test_a_shift_reuses_the_rings_first_cells_before_the_freed_ones(backend):
+    """After a shift the search for cells starts at cell 0, as llama.cpp's seq_add leaves its head: a cell
+    there that slid out of the window is taken before the cells the shift freed. The same cells in the same
+    order as llama.cpp keep the attention's sums bitwise (gemma4 differed by 2e-3 in one step otherwise)."""
+    cache = new_cache(backend, Causal(add_shift, window_size=1), False, max_batch=4)
+    assert cache.region == 6
+    forward(backend, cache, [0.0, 1.0, 2.0, 3.0, 4.0], (1, 1, 5), [0] * 5, [0, 1, 2, 3, 4])  # cells 0-4
+    cache.remove(0, 2, 3)  # position 2 (cell 2) dropped; 3 and 4 move down to 2 and 3 (their keys minus 1)
+    key, _, _, mask = forward(backend, cache, [40.0], (1, 1, 1), [0], [4])
+    # position 4 in cell 0 (position 0 is out of its window), not in the freed cell 2; it sees cells 0 and 4
+    assert key.reshape(-1).tolist() == [40.0, 1.0, 2.0, 2.0, 3.0]
+    np.testing.assert_array_equal(mask, mask_rows("0 x x x 0"))
 
 
 @PERMUTED
