@@ -368,6 +368,52 @@ def openai_logprobs(entries: list[dict[str, Any]] | None) -> dict[str, Any] | No
                         for e in entries]}
 
 
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's legacy completions: at most 5 alternatives per token
+JSON_KINDS = {bool: "a boolean", str: "a string", float: "a decimal number", list: "an array", dict: "an object"}
+
+
+def completion_logprobs_count(value: Any) -> int | None:
+    """/v1/completions `logprobs`: how many alternatives per token (0-5), None when not asked for.
+
+    Unlike chat's boolean `logprobs`, the legacy API's is an integer; 0 still returns the chosen tokens'
+    logprobs, as OpenAI's does (Ollama's layer asks the runner for them when it is above 0, but never puts
+    them in its answer)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        kind = JSON_KINDS.get(type(value), "a value of another type")
+        raise ApiError(400, f"Invalid type for 'logprobs': expected an integer, but got {kind} instead.")
+    if value < 0:
+        raise ApiError(400, f"Invalid 'logprobs': integer below minimum value. Expected a value >= 0, but got "
+                            f"{value} instead.")
+    if value > MAX_COMPLETION_LOGPROBS:
+        raise ApiError(400, f"Invalid 'logprobs': integer above maximum value. Expected a value <= "
+                            f"{MAX_COMPLETION_LOGPROBS}, but got {value} instead.")
+    return value
+
+
+def legacy_logprobs(entries: list[dict[str, Any]], top: int, offset: int = 0) -> dict[str, Any]:
+    """Native logprob entries in the legacy completions shape: parallel lists of `tokens`, `token_logprobs`,
+    `top_logprobs` and `text_offset`.
+
+    Each `top_logprobs` item maps the `top` likeliest tokens' texts to their logprobs, best first, plus the
+    chosen token (OpenAI: "up to logprobs+1 elements"); two tokens with the same text keep the likelier's.
+    `text_offset`: where each token's text starts in the choice's text, counted from `offset` (a stream's
+    earlier chunks)."""
+    out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for entry in entries:
+        alternatives: dict[str, float] = {}
+        for alt in (entry.get("top_logprobs") or [])[:top]:
+            alternatives.setdefault(alt["token"], alt["logprob"])
+        alternatives.setdefault(entry["token"], entry["logprob"])
+        out["tokens"].append(entry["token"])
+        out["token_logprobs"].append(entry["logprob"])
+        out["top_logprobs"].append(alternatives)
+        out["text_offset"].append(offset)
+        offset += len(entry["token"])
+    return out
+
+
 async def embedding_texts(entry: Entry, raw: Any) -> list[str]:
     """/v1/embeddings `input`: a string, strings, token ids, or arrays of token ids (OpenAI accepts all four).
 
@@ -518,11 +564,9 @@ class OpenAIRoutes:
                 raise ApiError(400, "prompt must be a string")
             native: dict[str, Any] = {"model": body.get("model"), "prompt": prompt, "suffix": body.get("suffix"),
                                       "options": sampling_options(body, top_p_zero_is_one=True)}
-            logprobs = body.get("logprobs")
-            if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)):
-                raise ApiError(400, "Invalid type for 'logprobs': expected an integer from 0 to 20.")
-            if logprobs:
-                native.update(logprobs=True, top_logprobs=logprobs)
+            top = completion_logprobs_count(body.get("logprobs"))
+            if top is not None:
+                native.update(logprobs=True, top_logprobs=top)
             prepared = await self.chat.prepare_generate(native)
             job = prepared.job
             if job is None:
@@ -533,8 +577,11 @@ class OpenAIRoutes:
         chunks = generate_run(self.chat, job, prepared.think)
         ident, created, model = f"cmpl-{random.randrange(999)}", int(time.time()), str(body.get("model"))
 
-        def obj(text: str, reason: str | None, **extra: Any) -> dict[str, Any]:
-            choice = {"text": text, "index": 0, "finish_reason": reason}
+        def obj(text: str, reason: str | None, logprobs: dict[str, Any] | None = None,
+                **extra: Any) -> dict[str, Any]:
+            choice: dict[str, Any] = {"text": text, "index": 0, "finish_reason": reason}
+            if logprobs is not None:
+                choice["logprobs"] = logprobs
             return envelope("text_completion", ident, created, model, [choice], **extra)
 
         if not body.get("stream"):
@@ -542,10 +589,12 @@ class OpenAIRoutes:
                 final = await collected(chunks, collect_generate)
             except ApiError as err:
                 return openai_error(err)
-            return json_response(obj(final["response"], finish_reason(final, False), usage=usage(final)))
+            logprobs = None if top is None else legacy_logprobs(final.get("logprobs") or [], top)
+            return json_response(obj(final["response"], finish_reason(final, False), logprobs, usage=usage(final)))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
         async def events() -> AsyncIterator[dict[str, Any]]:
+            offset = 0  # text_offset goes on from chunk to chunk: the choice's text so far
             async with aclosing(chunks):
                 async for chunk in chunks:
                     if chunk.get("done"):
@@ -553,7 +602,11 @@ class OpenAIRoutes:
                         if include_usage:
                             yield envelope("text_completion", ident, created, model, [], usage=usage(chunk))
                         return
-                    yield obj(chunk.get("response", ""), None)
+                    logprobs = None
+                    if top is not None and chunk.get("logprobs"):
+                        logprobs = legacy_logprobs(chunk["logprobs"], top, offset)
+                        offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+                    yield obj(chunk.get("response", ""), None, logprobs)
 
         return await self._stream(request, events())
 
