@@ -24,12 +24,14 @@ import threading
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as PySequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
 from ollama_engine.kvcache import Batch
+from ollama_engine.ml import compute_here
 from ollama_engine.models import Graph
 from ollama_engine.runner.allocate import LoadedModel
 from ollama_engine.runner.draft import ModelDrafter
@@ -51,6 +53,8 @@ from ollama_engine.runner.speculate import (
 from ollama_engine.sample import GrammarError, GrammarVocab, NonFiniteLogitsError, calculate_logprobs
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(eq=False)
@@ -102,6 +106,17 @@ class Runner:
             self.cond.notify_all()
         self._builder.join()
         self._compute.shutdown(wait=True)
+
+    def submit_compute(self, work: Callable[[], T]) -> Future[T]:
+        """`work` on the compute thread, after the batches queued before it. A pooled forward pass (an embedding)
+        runs there, so the runner's graphs keep one OpenMP pool and a request starts no thread
+        (ml/compute_threads.py)."""
+
+        def in_place() -> T:
+            compute_here()  # as after the thread's first batch: an embedding runner computes no batch
+            return work()
+
+        return self._compute.submit(in_place)
 
     # ------------------------------------------------------------ sequences
 
@@ -323,9 +338,10 @@ class Runner:
             placeholders = self._advance(state)
             state.graph.bind(state.batch)
             state.compute_started.set()
+            fresh = state.graph.ctx.allocations == 0  # its first run lays out (and may grow) the compute buffers
             started = time.monotonic()
             logits = state.graph.run()  # a copy: the batch builder may compute a cache shift while we sample
-            if len(state.batch.outputs) == len(state.batch) <= self.spec_rows:  # decode rows only
+            if not fresh and len(state.batch.outputs) == len(state.batch) <= self.spec_rows:  # decode rows only
                 self.step_cost.record(len(state.batch), time.monotonic() - started)
             now = time.monotonic()
             with self.cond, self.hold_output():
