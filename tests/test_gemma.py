@@ -50,12 +50,13 @@ def encode(path: Path, text: str) -> list[int]:
         model.close()
 
 
-def shift_then_decode(path: Path, tokens: list[int], keep: int, discard: int, steps: int, tolerance: float) -> None:
+def shift_then_decode(path: Path, tokens: list[int], keep: int, discard: int, steps: int, tolerance: float,
+                      flash: bool = False) -> None:
     """Prefill, drop positions [keep, keep + discard) and move the rest down in both engines, then decode."""
-    model = load_model(path, num_threads=THREADS)
+    model = load_model(path, num_threads=THREADS, flash_attention=flash)
     model.backend.load()
     model.cache.init(model.backend, cache_dtype("f16"), 1, 512, 64)
-    reference = Reference(path, n_ctx=512, n_batch=64, threads=THREADS)
+    reference = Reference(path, n_ctx=512, n_batch=64, threads=THREADS, flash_attention=flash)
     try:
         n = len(tokens)
         ours = model.graphs.compute(Batch(positions=range(n), sequences=[0] * n, outputs=[n - 1], tokens=tokens))

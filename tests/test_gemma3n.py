@@ -154,7 +154,8 @@ def test_greedy_decoding_matches(synthetic, weight_type, sequences, flash):
 
 
 @pytest.mark.reference
-def test_context_shift_matches_llama_cpp(synthetic):
+@pytest.mark.parametrize("flash", [False, True])
+def test_context_shift_matches_llama_cpp(synthetic, flash):
     """Positions 3-7 dropped and the rest moved down in both engines (llama.cpp's seq_rm and seq_add): the
     storing layers' keys are re-rotated with their kind's RoPE base, which the shared layers then read, and
     the sliding layers' ring takes its next cells from cell 0 on, as llama.cpp's seq_add leaves its head (when
@@ -162,7 +163,7 @@ def test_context_shift_matches_llama_cpp(synthetic):
     cells, summed in another order). The same greedy tokens, logprobs within TOLERANCE."""
     path = synthetic()
     tokens = encode(path, PROMPTS[0])
-    shift_then_decode(path, tokens, keep=3, discard=5, steps=8, tolerance=TOLERANCE)
+    shift_then_decode(path, tokens, keep=3, discard=5, steps=8, tolerance=TOLERANCE, flash=flash)
 
 
 @pytest.mark.reference

@@ -130,7 +130,8 @@ def test_context_shift_matches_llama_cpp(synthetic):
 
 
 @pytest.mark.reference
-def test_context_shift_past_the_window_matches_llama_cpp(synthetic):
+@pytest.mark.parametrize("flash", [False, True])
+def test_context_shift_past_the_window_matches_llama_cpp(synthetic, flash):
     """The same greedy tokens and logprobs as llama.cpp once the 8-position window slides past shifted keys.
     After a shift the sliding layers' ring takes its next cells from cell 0 on, as llama.cpp's seq_add leaves
     its head; when it went on from the first freed cell instead, the same keys sat in other cells, the
@@ -138,7 +139,7 @@ def test_context_shift_past_the_window_matches_llama_cpp(synthetic):
     from test_gemma import shift_then_decode
 
     path = synthetic()
-    shift_then_decode(path, shift_prompt(path), keep=3, discard=5, steps=10, tolerance=TOLERANCE)
+    shift_then_decode(path, shift_prompt(path), keep=3, discard=5, steps=10, tolerance=TOLERANCE, flash=flash)
 
 
 @pytest.mark.parametrize(("flash", "experts"), [(False, False), (True, False), (False, True)])
