@@ -328,11 +328,14 @@ class RunnerServer:
         return await self._pooled(lambda: rerank(loaded.model, query, document, loaded.input_cache.num_ctx))
 
     async def _pooled(self, compute: Callable[[], Embedding]) -> web.Response:
-        """One pooled forward pass in a slot: {"embedding": [...], "prompt_eval_count": n}."""
-        assert self.slots is not None
+        """One pooled forward pass in a slot: {"embedding": [...], "prompt_eval_count": n}.
+
+        It runs on the batch loop's compute thread, which keeps its OpenMP pool between computes: on another
+        thread it would run on a thread of its own, started for it and ended after it (ml/compute_threads.py)."""
+        assert self.slots is not None and self.runner is not None
         async with self.slots:
             try:
-                result = await asyncio.to_thread(compute)
+                result = await asyncio.wrap_future(self.runner.submit_compute(compute))
             except InputTooLongError as err:
                 return text_error(400, str(err))
             except Exception as err:

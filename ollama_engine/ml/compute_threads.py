@@ -14,8 +14,9 @@ forward graphs: the runner's compute thread), or on the main thread while no oth
 test computing on its main thread keeps one pool, but in the runner the main thread runs the HTTP event loop,
 whose handlers may copy a cached prefix (runner.add -> load_slot). A compute asked for from any other thread
 runs on a short-lived thread that ends right after it, taking its pool with it. Those computes (cache shifts,
-prefix copies, vision towers, embeddings) happen per request, not per token: a thread start costs far less
-than they do. Computes of one backend are serialized by its compute lock either way.
+prefix copies, vision towers) happen per request, not per token: a thread start costs far less than they do.
+The runner's embeddings and rerank scores, whose whole request is one compute, are instead handed to its
+compute thread (Runner.submit_compute). Computes of one backend are serialized by its compute lock either way.
 """
 
 from __future__ import annotations
