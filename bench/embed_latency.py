@@ -1,6 +1,6 @@
 """A small /embedding request's latency through a real runner, and the runner's OS threads after.
 
-Usage (timings for RESULTS.md only through /tmp/mine/quiet.sh):
+Usage (timings for RESULTS.md on a quiet machine only):
     .venv/bin/python bench/embed_latency.py [--requests 400] [--rounds 3] [--threads 2]
 
 Each round starts a runner subprocess per model (synthetic BERT encoders: tiny-bert, 2 layers of 64, and a
