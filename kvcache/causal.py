@@ -23,8 +23,9 @@ seq_add puts it (so the ring first reuses the cells before the ones the shift fr
 
 Variants (all keyword arguments of the constructor):
 - window_size: sliding-window attention, a token sees itself and the `window_size` positions before;
-- memory_size: how many positions before the next token a sliding-window cache keeps (default: the
-  window and the token, llama.cpp's n_swa), so that a sequence can be resumed a little way back;
+- memory_size: how many positions before the next token a sliding-window cache keeps, so that a sequence
+  can be resumed a little way back (default: the window, as llama.cpp's find_slot reuses a cell; the ring
+  has room for the window and the token, llama.cpp's n_swa, plus a batch);
 - chunk_size: chunked attention, a token sees only earlier tokens of its own chunk (memory: a chunk);
 - value_in_key: multi-head latent attention (DeepSeek-V2/V3), as llama.cpp's MLA cache: only keys are
   stored, and a key's first `value_in_key` features are its value (the compressed latent, the rest
@@ -157,6 +158,9 @@ class Causal:
         if memory is not None and memory + max_batch >= capacity:
             memory = None
         self._memory = memory
+        # what a ring keeps before the next token: the memory asked for, else what the window reaches (llama.cpp
+        # reuses a cell once its sequence's next position minus the cell's is n_swa: one less than it sizes for)
+        self._kept = self._memory_request or (self._window if self._window is not None else memory)
         cells = capacity if memory is None else memory + max_batch
         padding = self._config.padding
         self._region = math.ceil(cells / padding) * padding
@@ -516,7 +520,7 @@ class Causal:
         (its apply_ubatch), so what a sequence keeps is always a run of positions.
         """
         last = int(pos.max(where=used, initial=-1))
-        stale = min(first, last + 1) - self._memory  # positions below this are out of every row's memory
+        stale = min(first, last + 1) - self._kept  # positions below this are out of every row's memory
         head = int(self._heads[seq])
         if count == 1 and (not used[head] or pos[head] < stale):  # a decode step in steady state
             offsets = np.array([head], dtype=np.int32)

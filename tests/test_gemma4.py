@@ -142,6 +142,19 @@ def test_context_shift_past_the_window_matches_llama_cpp(synthetic, flash):
     shift_then_decode(path, shift_prompt(path), keep=3, discard=5, steps=10, tolerance=TOLERANCE, flash=flash)
 
 
+@pytest.mark.reference
+def test_context_shift_to_the_windows_edge_matches_llama_cpp(synthetic):
+    """14 tokens, positions 3-8 dropped: the first token after the shift is at 8, exactly the window (n_swa)
+    past position 0 in the ring's cell 0, which llama.cpp reuses at once. Kept one token longer (the ring's
+    earlier rule), the keys sat in other cells and the logprobs differed by up to 6.6e-3 on AVX-512."""
+    from test_gemma import encode, shift_then_decode
+
+    path = synthetic()
+    tokens = encode(path, "In a small village by the sea, there lived a fisherman")
+    assert len(tokens) == 14
+    shift_then_decode(path, tokens, keep=3, discard=6, steps=10, tolerance=TOLERANCE)
+
+
 @pytest.mark.parametrize(("flash", "experts"), [(False, False), (True, False), (False, True)])
 def test_batched_equals_solo(synthetic, flash, experts):
     """A sequence's logits do not depend on another sequence sharing its batches (shared layers included)."""

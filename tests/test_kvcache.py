@@ -239,6 +239,18 @@ def test_a_shift_reuses_the_rings_first_cells_before_the_freed_ones(backend):
     np.testing.assert_array_equal(mask, mask_rows("0 x x x 0"))
 
 
+def test_a_ring_reuses_a_cell_as_soon_as_the_window_no_longer_reaches_it(backend):
+    """llama.cpp's find_slot takes a cell once the next position minus the cell's is n_swa (window + 1): a
+    position the next token cannot see. After a shift that can be the cell at the head (one step of a tiny
+    gemma4 differed by 6.6e-3 when the ring kept that position one token longer)."""
+    cache = new_cache(backend, Causal(add_shift, window_size=1), False, max_batch=4)
+    forward(backend, cache, [0.0, 1.0, 2.0, 3.0], (1, 1, 4), [0] * 4, [0, 1, 2, 3])  # cells 0-3
+    cache.remove(0, 1, 3)  # positions 1 and 2 dropped, 3 moves down to 1 (cell 3, its key 3 - 2)
+    key, _, _, mask = forward(backend, cache, [20.0], (1, 1, 1), [0], [2])
+    assert key.reshape(-1).tolist() == [20.0, 1.0, 2.0, 1.0]  # position 2 in cell 0 (position 0 is unseen)
+    np.testing.assert_array_equal(mask, mask_rows("0 x x 0"))
+
+
 @PERMUTED
 def test_chunked_attention(backend, permuted_v):
     cache = new_cache(backend, Causal(chunk_size=2), permuted_v)
