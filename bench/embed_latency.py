@@ -24,12 +24,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from synthetic.models import write_synthetic  # noqa: E402
+from workers import WorkerArgs, start_runner  # noqa: E402
 
-from ollama_engine.fs import GGUFFile  # noqa: E402
-from ollama_engine.llm.discovery import system_info  # noqa: E402
-from ollama_engine.llm.load import LoadOptions, load  # noqa: E402
 from ollama_engine.llm.runner_handle import RunnerHandle  # noqa: E402
-from ollama_engine.server.wire import ServerStatus  # noqa: E402
 
 MODELS = {  # name: (preset, overrides)
     "tiny-bert": ("tiny-bert", {}),
@@ -40,20 +37,10 @@ WARMUP = 20
 
 
 def start(path: Path, threads: int) -> RunnerHandle:
-    handle = RunnerHandle.start(str(path))
-    try:
-        handle.wait_launched()
-        options = LoadOptions(num_ctx=512, parallel=1, batch_size=512, num_gpu=0, num_threads=threads,
-                              flash_attention=0, kv_cache_type="f16", use_mmap=False)
-        load(handle, system_info(), [], GGUFFile.open(str(path)).config.get_uint("block_count") + 1, options)
-        while handle.health()[0] != ServerStatus.READY:
-            if handle.exited():
-                raise RuntimeError(f"runner exited: {handle.exit_reason()}")
-            time.sleep(0.01)
-    except BaseException:
-        handle.close()
-        raise
-    return handle
+    """A runner with the model loaded as serve's scheduler loads it (workers.start_runner), 512 tokens, one slot."""
+    worker = WorkerArgs(engine="runner", task="embed", model=str(path), prompts={}, threads=threads, t0=time.time(),
+                        gpu=False, streams=[1], verbose=False)
+    return start_runner(worker, 512, 1)[0]
 
 
 def os_threads(pid: int) -> int:
