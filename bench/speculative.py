@@ -108,14 +108,14 @@ class LlamaCppSide:
     """llama-cpp-python's high-level Llama, with and without its speculation: its prompt-lookup draft model, or
     (draft given) the same draft GGUF as ours decoding greedily in a second Llama (`llama_cpp_draft`)."""
 
-    def __init__(self, path: Path, threads: int, draft: Path | None = None) -> None:
+    def __init__(self, path: Path, threads: int, draft: Path | None, flash: bool) -> None:
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
         common = dict(model_path=str(path), n_ctx=4096, n_batch=512, n_threads=threads, n_threads_batch=threads,
-                      verbose=False, flash_attn=True)
+                      verbose=False, flash_attn=flash)
         self.plain = Llama(**common)
-        drafter = llama_cpp_draft(draft, threads) if draft else LlamaPromptLookupDecoding(num_pred_tokens=10)
+        drafter = llama_cpp_draft(draft, threads, flash) if draft else LlamaPromptLookupDecoding(num_pred_tokens=10)
         self.spec = Llama(**common, draft_model=drafter, logits_all=True)  # its loop reads every row's logits
 
     def run(self, prompt: str, spec: bool, n: int) -> float:
@@ -134,9 +134,10 @@ class LlamaServerSide:
 
     @classmethod
     @contextlib.contextmanager
-    def started(cls, binary: Path, model: Path, threads: int, spec_args: list[str]) -> Iterator[LlamaServerSide]:
+    def started(cls, binary: Path, model: Path, threads: int, spec_args: list[str],
+                flash: bool) -> Iterator[LlamaServerSide]:
         with contextlib.ExitStack() as stack:
-            urls = {spec: stack.enter_context(llama_server(binary, model, threads, spec_args if spec else []))
+            urls = {spec: stack.enter_context(llama_server(binary, model, threads, spec_args if spec else [], flash))
                     for spec in (False, True)}
             yield cls(urls)
 
@@ -153,11 +154,13 @@ class LlamaServerSide:
 
 
 @contextlib.contextmanager
-def llama_server(binary: Path, model: Path, threads: int, extra: list[str]) -> Iterator[str]:
-    """One llama-server with our runner's settings (one slot, 4096 context, batch 512, f16 cache, flash attention)."""
+def llama_server(binary: Path, model: Path, threads: int, extra: list[str], flash: bool) -> Iterator[str]:
+    """One llama-server with our runner's settings (one slot, 4096 context, batch 512, f16 cache, flash attention
+    on or off)."""
     port = free_port()
     command = [str(binary), "-m", str(model), "--port", str(port), "-np", "1", "-c", "4096", "-t", str(threads),
-               "-tb", str(threads), "-b", "512", "-ctk", "f16", "-ctv", "f16", "-fa", "on", "--no-webui", *extra]
+               "-tb", str(threads), "-b", "512", "-ctk", "f16", "-ctv", "f16", "-fa", "on" if flash else "off",
+               "--no-webui", *extra]
     with subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as server:
         try:
             wait_http(f"http://127.0.0.1:{port}/health", server)
@@ -166,7 +169,7 @@ def llama_server(binary: Path, model: Path, threads: int, extra: list[str]) -> I
             server.terminate()
 
 
-def llama_cpp_draft(path: Path, threads: int, k: int = 6):
+def llama_cpp_draft(path: Path, threads: int, flash: bool, k: int = 6):
     """A LlamaDraftModel for llama-cpp-python's speculative loop: a second Llama on the draft GGUF keeps the
     common prefix of its cache and the text, evaluates the rest and proposes k greedy tokens (no llama-server
     binary here to run llama.cpp's own `--model-draft`)."""
@@ -177,7 +180,7 @@ def llama_cpp_draft(path: Path, threads: int, k: int = 6):
     class GreedyDraft(LlamaDraftModel):
         def __init__(self) -> None:
             self.llm = Llama(model_path=str(path), n_ctx=4096, n_batch=512, n_threads=threads,
-                             n_threads_batch=threads, verbose=False, flash_attn=True)
+                             n_threads_batch=threads, verbose=False, flash_attn=flash)
 
         def __call__(self, input_ids, /, **kwargs):
             llm, ids = self.llm, input_ids.tolist()
@@ -210,6 +213,8 @@ def main() -> None:
     parser.add_argument("--llama-spec", default="--spec-type ngram-simple",
                         help="llama-server's speculation arguments without --draft (with it: -md DRAFT)")
     parser.add_argument("--draft", default="", help="LAYERS[:TYPE]: a draft model cut from the target")
+    parser.add_argument("--flash-attention", choices=("off", "on"), default="off",
+                        help="on every side (off: serve's default; on: llama-server's `auto` on the CPU)")
     parser.add_argument("--scale", type=float, default=1.0, help="generated tokens scaled (a quick trial run)")
     args = parser.parse_args()
     for name in args.models.split(","):
@@ -220,6 +225,7 @@ def main() -> None:
 def bench_model(name: str, args: argparse.Namespace, stack: contextlib.ExitStack) -> None:
     """Every task on one model: ours plain and speculating, and the llama.cpp sides asked for, interleaved."""
     path = fetch(name, quiet=True)
+    flash = args.flash_attention == "on"
     draft = None
     if args.draft:
         layers, _, qtype = args.draft.partition(":")
@@ -230,7 +236,7 @@ def bench_model(name: str, args: argparse.Namespace, stack: contextlib.ExitStack
     # compute threads, two OpenMP pools in one process: libgomp then stops spinning between parallel regions
     # (RESULTS, "The slow single stream after four streams"), and the plain side ran at 24 tok/s beside a second
     # runner, 40 alone
-    runner, loaded = stack.enter_context(started_runner(path, args.threads, str(draft or "")))
+    runner, loaded = stack.enter_context(started_runner(path, args.threads, str(draft or ""), flash))
     tokenizer = loaded.model.tokenizer
     text = copy_text(tokenizer)
     tasks = {
@@ -238,11 +244,11 @@ def bench_model(name: str, args: argparse.Namespace, stack: contextlib.ExitStack
         "chat": (chat(tokenizer, "Write a short story about a dragon who learns to bake bread."), 160),
     }
     n_prompt = {task: len(tokenizer.encode(prompt, add_special=True)) for task, (prompt, _) in tasks.items()}
-    llama = LlamaCppSide(path, args.threads, draft) if args.llama_cpp else None
+    llama = LlamaCppSide(path, args.threads, draft, flash) if args.llama_cpp else None
     server = None
     if args.llama_server is not None:
         spec_args = ["-md", str(draft), "--spec-type", "draft-simple"] if draft else shlex.split(args.llama_spec)
-        server = stack.enter_context(LlamaServerSide.started(args.llama_server, path, args.threads, spec_args))
+        server = stack.enter_context(LlamaServerSide.started(args.llama_server, path, args.threads, spec_args, flash))
     for task, (prompt, n) in tasks.items():
         n = max(int(n * args.scale), 8)
         run(runner, prompt, False, 4)  # warm: the prompt in the cache
@@ -305,8 +311,8 @@ class Sides:
 
 
 @contextlib.contextmanager
-def started_runner(path: Path, threads: int, draft: str) -> Iterator[tuple[Runner, object]]:
-    runner, loaded = start_runner(path, threads, draft)
+def started_runner(path: Path, threads: int, draft: str, flash: bool) -> Iterator[tuple[Runner, object]]:
+    runner, loaded = start_runner(path, threads, draft, flash)
     try:
         yield runner, loaded
     finally:
@@ -314,8 +320,8 @@ def started_runner(path: Path, threads: int, draft: str) -> Iterator[tuple[Runne
         loaded.close()
 
 
-def start_runner(path: Path, threads: int, draft: str) -> tuple[Runner, object]:
-    params = LoadParams(parallel=1, batch_size=512, kv_size=4096, num_threads=threads, flash_attention=1,
+def start_runner(path: Path, threads: int, draft: str, flash: bool) -> tuple[Runner, object]:
+    params = LoadParams(parallel=1, batch_size=512, kv_size=4096, num_threads=threads, flash_attention=int(flash),
                         draft_path=draft)
     loaded = open_model(str(path), params, allocate=True)
     loaded.load()

@@ -16,10 +16,12 @@ from typing import Any
 
 import pytest
 
+from ollama_engine.ml import DType
+from ollama_engine.runner import speculate
 from ollama_engine.runner.allocate import LoadParams, open_model
 from ollama_engine.runner.loop import Runner
 from ollama_engine.runner.sequence import SequenceOptions
-from ollama_engine.runner.speculate import NgramIndex, Speculator, StepCost, verify_rows
+from ollama_engine.runner.speculate import MAX_DRAFT, ROWS_QUANTIZED, NgramIndex, Speculator, StepCost, verify_rows
 from ollama_engine.sample import Sampler, format_grammar
 from ollama_engine.sample.grammar_text import GRAMMAR_JSON
 
@@ -152,9 +154,19 @@ def test_one_slow_step_does_not_turn_speculation_off():
 
 
 def test_verify_rows_follow_the_kernels(runner):
-    """Repacked weights (Gemma's Q4_K on x86/ARM) allow 3 rows; SmolLM2's Q4_1/Q8_0 are never repacked."""
+    """Repacked weights (Gemma's Q4_K on x86/ARM) allow 3 rows; SmolLM2's Q4_1 and Q8_0 compute any row as a
+    one-row product does, so any number of rows."""
     backend = runner.model.backend
-    assert verify_rows(runner.model) == (3 if backend.repacked_weights() else 7)
+    assert verify_rows(runner.model) == (3 if backend.repacked_weights() else MAX_DRAFT + 1)
+
+
+def test_verify_rows_of_k_quants_stop_below_the_tiled_kernel(runner, monkeypatch):
+    """Without repacking, a weight of a type outside the row-by-row ones (a K-quant: ggml's tiled kernel from 8
+    rows on) caps the rows at 7: SmolLM2's Q4_1 counted as such a type."""
+    if runner.model.backend.repacked_weights():
+        pytest.skip("repacked weights cap the rows at 3 whatever their type")
+    monkeypatch.setattr(speculate, "_ROW_BY_ROW", speculate._ROW_BY_ROW - {DType.Q4_1})
+    assert verify_rows(runner.model) == ROWS_QUANTIZED
 
 
 # ---------------------------------------------------------------- exactness
@@ -166,6 +178,17 @@ def test_greedy_alone(runner):
     assert spec.logprobs == plain.logprobs
     assert spec.seq.done_reason == plain.seq.done_reason
     assert_accepted(spec)
+
+
+def test_greedy_with_long_drafts(runner):
+    """Up to 32 drafts a step: batches of 9 to 33 rows, past the sizes where other kernels take over."""
+    if verify_rows(runner.model) <= ROWS_QUANTIZED:
+        pytest.skip("this model's row cap keeps verify batches below 8 rows")
+    plain = Run(runner, COPY, False, num_predict=60)
+    spec = Run(runner, COPY, True, num_predict=60, draft_num_predict=MAX_DRAFT)
+    assert spec.logprobs == plain.logprobs
+    assert_accepted(spec)
+    assert spec.seq.spec.drafted > 8 * spec.seq.spec.steps / 2, "the verify batches stayed small"
 
 
 def test_greedy_batched_with_other_sequences(runner):
@@ -220,10 +243,10 @@ def test_sampled_draws_the_same_tokens(runner, seed):
 def test_through_a_context_shift(model):
     """A 96-token context: the copy overflows it, the slot shifts (the drafts never cause a shift of their own)."""
     runs = []
-    for speculate in (False, True):  # each on a fresh runner: both cold, nothing from the other's cache
+    for speculating in (False, True):  # each on a fresh runner: both cold, nothing from the other's cache
         runner, loaded = open_runner(model, parallel=1, kv_size=96)
         try:
-            runs.append(Run(runner, COPY, speculate, num_predict=150))
+            runs.append(Run(runner, COPY, speculating, num_predict=150))
         finally:
             runner.close()
             loaded.close()

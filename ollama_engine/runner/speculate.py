@@ -14,9 +14,12 @@ Why the logits are the plain run's, bit for bit (see runner/exact.py for the ker
   and the one-row flash-attention kernel (split over the cache for long histories) a decode step takes;
 - matmul: a row's class depends on the rows of the whole batch. Repacked weights (Q4_0, Q4_K, IQ4_NL on
   the CPU) send the last `rows % 4` rows through the one-row kernel: a batch of at most 3 rows computes
-  every row as a decode step does. Other quantized types are computed row by row below 8 rows. F32/F16/BF16
-  matmul weights take another kernel for a single row: no speculation for them; and none on GPU layouts,
-  whose kernels this analysis does not cover. `verify_rows` gives the cap, the batch loop keeps to it.
+  every row as a decode step does. K-quants and IQ types take ggml's tiled kernel from 8 rows on: 7 rows.
+  Q4_1 and Q5_1 always go through the one-row dot product, and Q8_0's many-row kernel (llamafile's
+  tinyBLAS) sums each element in the dot product's order, so a model with only these verifies any number
+  of rows. F32/F16/BF16 matmul weights take another kernel for a single row: no speculation for them; and
+  none on GPU layouts, whose kernels this analysis does not cover. `verify_rows` gives the cap, the batch
+  loop keeps to it.
 
 Sampling: with an n-gram draft, or a greedy draft model's, the draft distribution is a point mass q(d) = 1.
 The standard rule (accept d with probability min(1, p(d)/q(d)) = p(d), else draw from the residual
@@ -55,7 +58,10 @@ DEFAULT_DRAFT = 8
 """Drafted tokens per step when the request does not set draft_num_predict (the row cap may lower it)."""
 MAX_DRAFT = 32
 ROWS_REPACKED = 3  # every row of a batch of at most 3 takes a repacked type's one-row kernel
-ROWS_QUANTIZED = 7  # below 8 rows, other quantized types use the kernel a decode step uses
+ROWS_QUANTIZED = 7  # below 8 rows, K-quants and IQ types use the kernel a decode step uses
+ROWS_ANY = MAX_DRAFT + 1
+_ROW_BY_ROW = {DType.Q4_1, DType.Q5_1, DType.Q8_0}
+"""Weight types whose matmul computes every row as a one-row product does, however many rows the batch has."""
 MARGIN = 1.1
 """Speculate only where the expected tokens per second beat plain decoding's by this factor (a step that waits
 for its token loses the pipeline's overlap of graph building and compute)."""
@@ -70,9 +76,12 @@ def verify_rows(model) -> int:
     backend = model.backend
     if model.cache is None or any(backend.layer_device(i).is_gpu for i in range(backend.block_count + 1)):
         return 0
-    if any(len(t.ne) >= 2 and t.ne[1] > 1 and t.dtype in _FULL_PRECISION for t in backend.weights.values()):
+    matrices = {t.dtype for t in backend.weights.values() if len(t.ne) >= 2 and t.ne[1] > 1}
+    if matrices & _FULL_PRECISION:
         return 0
-    return ROWS_REPACKED if backend.repacked_weights() else ROWS_QUANTIZED
+    if backend.repacked_weights():
+        return ROWS_REPACKED
+    return ROWS_ANY if matrices <= _ROW_BY_ROW else ROWS_QUANTIZED
 
 
 class StepCost:
@@ -269,7 +278,7 @@ class Speculator:
             expected += chance**k
             seconds = cost.estimate(1 + k)
             if seconds is not None and expected / (seconds + k * drafting) > best_rate:
-                best, best_rate = k, expected / seconds
+                best, best_rate = k, expected / (seconds + k * drafting)
         return best
 
     def _start_pause(self) -> None:
