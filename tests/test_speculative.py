@@ -181,11 +181,14 @@ def test_greedy_alone(runner):
 
 
 def test_greedy_with_long_drafts(runner):
-    """Up to 32 drafts a step: batches of 9 to 33 rows, past the sizes where other kernels take over."""
+    """Up to 32 drafts a step: batches of 9 to 33 rows, past the sizes where other kernels take over, on a
+    history past 512 cells (where the attention's kernels split long histories)."""
     if verify_rows(runner.model) <= ROWS_QUANTIZED:
         pytest.skip("this model's row cap keeps verify batches below 8 rows")
-    plain = Run(runner, COPY, False, num_predict=60)
-    spec = Run(runner, COPY, True, num_predict=60, draft_num_predict=MAX_DRAFT)
+    prompt = COPY.replace(TEXT, " ".join([TEXT] * 10))
+    assert len(runner.model.tokenizer.encode(prompt)) > 512
+    plain = Run(runner, prompt, False, num_predict=60)
+    spec = Run(runner, prompt, True, num_predict=60, draft_num_predict=MAX_DRAFT)
     assert spec.logprobs == plain.logprobs
     assert_accepted(spec)
     assert spec.seq.spec.drafted > 8 * spec.seq.spec.steps / 2, "the verify batches stayed small"
