@@ -61,6 +61,8 @@ class Graph:
         self.users = 0
         self.retired = False
         self._view: tuple[int, np.ndarray] | None = None  # (ctx.allocations, logits) while they stay put
+        if batch.apart:  # rows verified as decode steps: each weight's product takes their kernel
+            self.ctx.matmul_row_limits = model.graphs.verify_row_limits
         try:
             if model.cache is not None:
                 model.cache.bind(self.ctx)
@@ -119,6 +121,9 @@ class Graphs:
         self.model = model
         self._current: Graph | None = None
         self._lock = threading.Lock()
+        self.verify_row_limits: dict[int, int] | None = None
+        """For graphs of batches whose rows are verified as decode steps (`Batch.apart`): the most rows each
+        weight's product may take at once (Context.matmul_row_limits; set by the runner, runner/speculate.py)."""
 
     def acquire(self, batch: Batch) -> Graph:
         """Place the batch in the model's cache and return the graph to compute it with."""

@@ -12,16 +12,25 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from ollama_engine.ml import DType
-from ollama_engine.runner import speculate
 from ollama_engine.runner.allocate import LoadParams, open_model
 from ollama_engine.runner.loop import Runner
 from ollama_engine.runner.sequence import SequenceOptions
-from ollama_engine.runner.speculate import MAX_DRAFT, ROWS_QUANTIZED, NgramIndex, Speculator, StepCost, verify_rows
+from ollama_engine.runner.speculate import (
+    MAX_DRAFT,
+    ROWS_QUANTIZED,
+    ROWS_REPACKED,
+    NgramIndex,
+    Speculator,
+    StepCost,
+    matmul_row_limits,
+    verify_rows,
+)
 from ollama_engine.sample import Sampler, format_grammar
 from ollama_engine.sample.grammar_text import GRAMMAR_JSON
 
@@ -154,19 +163,42 @@ def test_one_slow_step_does_not_turn_speculation_off():
 
 
 def test_verify_rows_follow_the_kernels(runner):
-    """Repacked weights (Gemma's Q4_K on x86/ARM) allow 3 rows; SmolLM2's Q4_1 and Q8_0 compute any row as a
-    one-row product does, so any number of rows."""
+    """Dense models verify up to 33 rows whatever their weights: a verify graph cuts each product to its limit."""
+    assert verify_rows(runner.model) == MAX_DRAFT + 1
+
+
+def test_matmul_row_limits_by_weight(runner):
+    """Repacked weights (Gemma's Q4_K on x86/ARM) take 3 rows a product, K-quants not repacked 7; SmolLM2's Q4_1,
+    Gemma's Q5_0 and both models' Q8_0 compute any row as a one-row product does: no limit."""
     backend = runner.model.backend
-    assert verify_rows(runner.model) == (3 if backend.repacked_weights() else MAX_DRAFT + 1)
+    limits = matmul_row_limits(runner.model)
+    repacked = backend.repacked_weights()
+    for name, weight in backend.weights.items():
+        if len(weight.ne) < 2 or weight.ne[1] == 1:
+            continue
+        expected = (ROWS_REPACKED if name in repacked else ROWS_QUANTIZED if weight.dtype in (DType.Q4_K, DType.Q6_K)
+                    else None)
+        assert limits.get(weight.storage) == expected, name
 
 
-def test_verify_rows_of_k_quants_stop_below_the_tiled_kernel(runner, monkeypatch):
-    """Without repacking, a weight of a type outside the row-by-row ones (a K-quant: ggml's tiled kernel from 8
-    rows on) caps the rows at 7: SmolLM2's Q4_1 counted as such a type."""
-    if runner.model.backend.repacked_weights():
-        pytest.skip("repacked weights cap the rows at 3 whatever their type")
-    monkeypatch.setattr(speculate, "_ROW_BY_ROW", speculate._ROW_BY_ROW - {DType.Q4_1})
-    assert verify_rows(runner.model) == ROWS_QUANTIZED
+def test_a_mixture_keeps_the_cap_of_its_tightest_weight():
+    """A mixture's experts are computed by matmul_id, which groups rows by expert: no product can be cut, so the
+    whole batch stays within every weight's limit."""
+    def weight(dtype: DType, *ne: int) -> SimpleNamespace:
+        return SimpleNamespace(dtype=dtype, ne=(*ne, 1, 1, 1)[:4], storage=object())
+
+    def model(weights: dict, repacked: set) -> SimpleNamespace:
+        backend = SimpleNamespace(weights=weights, repacked_weights=lambda: repacked, block_count=1,
+                                  layer_device=lambda i: SimpleNamespace(is_gpu=False))
+        return SimpleNamespace(backend=backend, cache=object())
+
+    dense = {"attn_q": weight(DType.Q4_K, 64, 64), "output": weight(DType.Q8_0, 64, 100)}
+    experts = {**dense, "ffn_up_exps": weight(DType.Q4_K, 64, 128, 4)}
+    assert verify_rows(model(dense, {"attn_q"})) == MAX_DRAFT + 1
+    assert verify_rows(model(experts, {"attn_q", "ffn_up_exps"})) == ROWS_REPACKED
+    assert verify_rows(model(experts, set())) == ROWS_QUANTIZED
+    experts["ffn_down_exps"] = weight(DType.Q4_0, 128, 64, 4)  # not repacked: its many-row kernel is unchecked
+    assert verify_rows(model(experts, set())) == 1  # no speculation
 
 
 # ---------------------------------------------------------------- exactness

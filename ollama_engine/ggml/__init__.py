@@ -215,6 +215,11 @@ def has_storage(t) -> bool:
     return source.buffer != NULL and t.data != NULL
 
 
+def storage_address(t) -> int:
+    """The address of the tensor whose memory t uses (t itself, or what it views): names a weight's storage."""
+    return int(ffi.cast("uintptr_t", t.view_src if t.view_src != NULL else t))
+
+
 def set_buffer(t, buffer) -> None:
     """Attach a buffer without data: the scheduler then treats the tensor as allocated elsewhere (fit mode)."""
     t.buffer = buffer

@@ -63,6 +63,9 @@ class Context:
         self._stored: list = []  # the inputs that have memory in the allocated graph
         self.allocations = 0  # times the scheduler laid out this graph's memory: views of outputs change
         self.bindings: dict[object, object] = {}  # owner (e.g. a cache) -> the inputs it created here
+        self.matmul_row_limits: dict[int, int] | None = None
+        """Weight (ggml.storage_address) -> the most input rows one product may have: Tensor.matmul computes
+        more in pieces of that many, so that each row takes the kernel a one-row batch takes."""
         self._forward: list[Tensor] = []
         self._graph = None
         self._closed = False

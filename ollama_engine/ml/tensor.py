@@ -88,6 +88,11 @@ class Tensor:
         return DType(ggml.tensor_type(self.handle))
 
     @property
+    def storage(self) -> int:
+        """Names the memory the tensor uses, its own or that of the tensor it views (a weight and its views)."""
+        return ggml.storage_address(self.handle)
+
+    @property
     def name(self) -> str:
         return ggml.get_name(self.handle)
 
@@ -172,7 +177,24 @@ class Tensor:
         a, b = self.ne, other.ne
         if a[0] != b[0] or b[2] % a[2] or b[3] % a[3]:
             raise ShapeError(f"matmul: {self.shape} x {other.shape}: inner dimensions differ or batch dims mismatch")
-        return self._new(ops.mul_mat(self._graph(other).handle, self.handle, other.handle), other)
+        ctx = self._graph(other)
+        limits = ctx.matmul_row_limits
+        limit = limits.get(self.storage) if limits else None
+        if limit is not None and a[2] == a[3] == 1 and b[1] * b[2] * b[3] > limit:
+            return self._matmul_in_pieces(other, limit)
+        return self._new(ops.mul_mat(ctx.handle, self.handle, other.handle), other)
+
+    def _matmul_in_pieces(self, other: Tensor, rows: int) -> Tensor:
+        """self (K, M) times other's rows, at most `rows` of them per product, joined in order."""
+        k, total = other.ne[0], other.ne[1] * other.ne[2] * other.ne[3]
+        x = (other if ggml.is_contiguous(other.handle) else other.contiguous()).reshape(k, total)
+        ctx = self._graph(other)
+        out = None
+        for begin in range(0, total, rows):
+            piece = x.view(x.strides[1] * begin, (k, min(rows, total - begin)))
+            product = Tensor(ctx, ops.mul_mat(ctx.handle, self.handle, piece.handle))
+            out = product if out is None else out.concat(product, 1)
+        return out.reshape(self.ne[1], *other.ne[1:])
 
     def matmul_full_precision(self, other: Tensor) -> Tensor:
         out = self.matmul(other)

@@ -48,6 +48,7 @@ from ollama_engine.runner.speculate import (
     Speculator,
     StepCost,
     draft_all,
+    matmul_row_limits,
     verify_rows,
 )
 from ollama_engine.sample import GrammarError, GrammarVocab, NonFiniteLogitsError, calculate_logprobs
@@ -87,8 +88,11 @@ class Runner:
         self.hold_output: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
         """Wraps a step's sampling: the server may hold the sinks' items and hand them over at once."""
         self.closing = False
+        self.in_flight = 0
+        """Batches formed and not yet sampled (under cond)."""
         self.spec_rows = verify_rows(self.model)
         """Most rows of a batch holding drafts (0: no exact speculation for this model; runner/speculate.py)."""
+        self.model.graphs.verify_row_limits = matmul_row_limits(self.model) if self.spec_rows > 1 else None
         self.step_cost = StepCost()
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self._builder = threading.Thread(target=self._run, name="batch-builder", daemon=True)
@@ -197,10 +201,21 @@ class Runner:
                 current = self._form_batch()
                 if current is None:
                     return
+                with self.cond:
+                    self.in_flight += 1
                 self._compute.submit(self._compute_batch, current).add_done_callback(self._check)
                 previous = current
         except BaseException as err:
             self.on_fatal(err)
+
+    def _awaiting_drafts(self) -> bool:
+        """Whether a speculating sequence's next inputs come from the batch being computed. The next batch then
+        waits for them: formed now, it would leave that sequence out, and from then on the two would alternate
+        batches instead of sharing them (on one compute thread nothing is lost: the next batch could not start
+        before this one ends)."""
+        return self.in_flight > 0 and any(
+            s is not None and s.spec is not None and s.spec.waiting and not s.inputs and not s.quit.is_set()
+            for s in self.seqs)
 
     def _check(self, future) -> None:
         if future.exception() is not None:
@@ -209,7 +224,8 @@ class Runner:
     def _form_batch(self) -> BatchState | None:
         with self.cond:
             # a speculating sequence has no inputs until its last batch is sampled
-            while not self.closing and not any(s is not None and (s.inputs or s.quit.is_set()) for s in self.seqs):
+            while not self.closing and (self._awaiting_drafts()
+                                        or not any(s is not None and (s.inputs or s.quit.is_set()) for s in self.seqs)):
                 self.cond.wait()
             if self.closing:
                 return None
@@ -332,6 +348,14 @@ class Runner:
         return taken
 
     def _compute_batch(self, state: BatchState) -> None:
+        try:
+            self._compute_and_sample(state)
+        finally:
+            with self.cond:
+                self.in_flight -= 1
+                self.cond.notify()
+
+    def _compute_and_sample(self, state: BatchState) -> None:
         if state.graph is None:
             return
         try:

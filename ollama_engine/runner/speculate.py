@@ -12,14 +12,18 @@ cells of the rejected drafts are removed, so the sequence continues as if they h
 Why the logits are the plain run's, bit for bit (see runner/exact.py for the kernel classes):
 - attention: every verified row is its own segment (`Batch.apart`): its own history, padding and cells,
   and the one-row flash-attention kernel (split over the cache for long histories) a decode step takes;
-- matmul: a row's class depends on the rows of the whole batch. Repacked weights (Q4_0, Q4_K, IQ4_NL on
-  the CPU) send the last `rows % 4` rows through the one-row kernel: a batch of at most 3 rows computes
-  every row as a decode step does. K-quants and IQ types take ggml's tiled kernel from 8 rows on: 7 rows.
-  Q4_1 and Q5_1 always go through the one-row dot product, and Q8_0's many-row kernel (llamafile's
-  tinyBLAS) sums each element in the dot product's order, so a model with only these verifies any number
-  of rows. F32/F16/BF16 matmul weights take another kernel for a single row: no speculation for them; and
-  none on GPU layouts, whose kernels this analysis does not cover. `verify_rows` gives the cap, the batch
-  loop keeps to it.
+- matmul: a row's kernel depends on how many rows the product has, by weight (`matmul_row_limits`).
+  Repacked weights (Q4_0, Q4_K, Q6_K, IQ4_NL ... on the CPU) send the last `rows % 4` rows through the
+  one-row kernel: a product of at most 3 rows computes every row as a decode step does. K-quants and IQ
+  types not repacked take ggml's tiled kernel from 8 rows on: 7. Q4_1 and Q5_1 always take the one-row
+  dot product, and the many-row kernel of Q8_0 and Q5_0 (llamafile's tinyBLAS) sums each element in the
+  dot product's order: no limit. Other quantized types: one row at a time. A verify batch's graph computes
+  each weight's product in pieces of at most its limit (Context.matmul_row_limits), so a dense model
+  verifies up to ROWS_ANY rows; the pieces re-read the limited weights, the others (the output matrix, the
+  largest) are read once. A mixture's experts (matmul_id groups rows by expert) cannot be cut so: such a
+  model keeps the cap every product allows, 3 with repacked weights, 7 with K-quants. F32/F16/BF16 matmul
+  weights take another kernel for a single row: no speculation for them; and none on GPU layouts, whose
+  kernels this analysis does not cover. `verify_rows` gives the cap, the batch loop keeps to it.
 
 Sampling: with an n-gram draft, or a greedy draft model's, the draft distribution is a point mass q(d) = 1.
 The standard rule (accept d with probability min(1, p(d)/q(d)) = p(d), else draw from the residual
@@ -54,14 +58,17 @@ log = logging.getLogger(__name__)
 
 NGRAM_SIZES = (4, 3)
 """n-gram lengths looked up, longest first (a longer match predicts better)."""
-DEFAULT_DRAFT = 8
+DEFAULT_DRAFT = 16
 """Drafted tokens per step when the request does not set draft_num_predict (the row cap may lower it)."""
 MAX_DRAFT = 32
-ROWS_REPACKED = 3  # every row of a batch of at most 3 takes a repacked type's one-row kernel
+ROWS_REPACKED = 3  # every row of a product of at most 3 takes a repacked type's one-row kernel
 ROWS_QUANTIZED = 7  # below 8 rows, K-quants and IQ types use the kernel a decode step uses
 ROWS_ANY = MAX_DRAFT + 1
-_ROW_BY_ROW = {DType.Q4_1, DType.Q5_1, DType.Q8_0}
-"""Weight types whose matmul computes every row as a one-row product does, however many rows the batch has."""
+_ROW_BY_ROW = {DType.Q4_1, DType.Q5_1, DType.Q8_0, DType.Q5_0}
+"""Weight types whose matmul computes every row as a one-row product does, however many rows it has."""
+_TILED = {DType.Q2_K, DType.Q3_K, DType.Q4_K, DType.Q5_K, DType.Q6_K, DType.IQ4_XS, DType.IQ2_XXS, DType.IQ2_XS,
+          DType.IQ2_S, DType.IQ3_XXS, DType.IQ3_S, DType.IQ1_S, DType.IQ1_M}
+"""Types ggml's CPU computes with its tiled kernel from 8 rows on (ggml-cpu/tiled), when not repacked."""
 MARGIN = 1.1
 """Speculate only where the expected tokens per second beat plain decoding's by this factor (a step that waits
 for its token loses the pipeline's overlap of graph building and compute)."""
@@ -72,16 +79,35 @@ _FULL_PRECISION = {DType.F32, DType.F16, DType.BF16}
 
 def verify_rows(model) -> int:
     """The most rows a batch holding drafts may have so that each row is computed as a decode step computes
-    it (0: speculation cannot be exact for this model)."""
+    it (0 or 1: speculation cannot be exact for this model)."""
     backend = model.backend
     if model.cache is None or any(backend.layer_device(i).is_gpu for i in range(backend.block_count + 1)):
         return 0
-    matrices = {t.dtype for t in backend.weights.values() if len(t.ne) >= 2 and t.ne[1] > 1}
-    if matrices & _FULL_PRECISION:
+    matrices = [t for t in backend.weights.values() if len(t.ne) >= 2 and t.ne[1] > 1]
+    if any(t.dtype in _FULL_PRECISION for t in matrices):
         return 0
-    if backend.repacked_weights():
-        return ROWS_REPACKED
-    return ROWS_ANY if matrices <= _ROW_BY_ROW else ROWS_QUANTIZED
+    if all(t.ne[2] == 1 for t in matrices):  # dense: every product can be cut to its limit
+        return ROWS_ANY
+    return min(matmul_row_limits(model).values(), default=ROWS_ANY)  # experts: the whole batch within each limit
+
+
+def matmul_row_limits(model) -> dict[int, int]:
+    """The most rows one product of each quantized matrix may have so that every row is computed as in a
+    one-row product (by ggml.storage_address of the weight; no entry: no limit)."""
+    backend = model.backend
+    repacked = backend.repacked_weights()
+    limits = {}
+    for name, weight in backend.weights.items():
+        if len(weight.ne) < 2 or weight.ne[1] == 1 or weight.dtype in _ROW_BY_ROW or weight.dtype in _FULL_PRECISION:
+            continue
+        if name in repacked:
+            limit = ROWS_REPACKED
+        elif weight.dtype in _TILED:
+            limit = ROWS_QUANTIZED
+        else:
+            limit = 1
+        limits[weight.storage] = limit
+    return limits
 
 
 class StepCost:
