@@ -56,8 +56,16 @@ def attention(
     out = None
     for segment in segments:
         rows = query if len(segments) == 1 else _rows(query, segment.begin, segment.count)
-        part = _attend(ctx, rows, segment.key, segment.value, segment.mask, scale, permuted_v, softcap, sinks,
-                       value_projection)
+        if segment.apart and segment.count > 1 and ctx.backend.flash_attention:  # the fused kernel row by row
+            for row in range(segment.count):
+                mask = segment.mask.view(segment.mask.strides[1] * row, (segment.mask.ne[0], 1))
+                part = _attend(ctx, _rows(rows, row, 1), segment.key, segment.value, mask, scale, permuted_v,
+                               softcap, sinks, value_projection)
+                out = part if out is None else out.concat(part, 2)
+            continue
+        attend = _attend_apart if segment.apart and segment.count > 1 else _attend
+        part = attend(ctx, rows, segment.key, segment.value, segment.mask, scale, permuted_v, softcap, sinks,
+                      value_projection)
         out = part if out is None else out.concat(part, 2)
     return out.hadamard(value_rotation) if value_rotation is not None else out
 
@@ -65,6 +73,28 @@ def attention(
 def _rows(x: Tensor, begin: int, count: int) -> Tensor:
     """Rows begin..begin+count of x (d, heads, n) along its last dimension."""
     return x.view(x.strides[2] * begin, (x.ne[0], x.ne[1], count))
+
+
+def _attend_apart(
+    ctx: Context, query: Tensor, key: Tensor, value: Tensor, mask: Tensor, scale: float, permuted_v: bool,
+    softcap: float, sinks: Tensor | None = None, value_projection: Tensor | None = None,
+) -> Tensor:
+    """One sequence's rows, each computed as a one-row batch computes it (_attend), all in the same products:
+    each row in a slice of dimension 3 of its own, which ggml's matmul takes one row at a time (the dot product
+    a one-row batch takes, not the many-row kernel) and the softmax with that row's mask."""
+    d, heads, n = query.ne[0], query.ne[1], query.ne[2]
+    q = query.packed().reshape(d, 1, heads, n)
+    k = key.permute(0, 2, 1, 3)  # (head_dim, history, kv_heads)
+    if not permuted_v:
+        value = value.permute(1, 2, 0, 3).contiguous()  # (history, v_head_dim, kv_heads)
+    scores = k.matmul_full_precision(q)  # (history, 1, heads, n)
+    if softcap:
+        scores = scores.scale(1.0 / softcap).tanh().scale(softcap)
+    scores = scores.softmax(mask.reshape(mask.ne[0], 1, 1, n), scale, sinks)
+    out = value.matmul(scores)  # (v_head_dim, 1, heads, n)
+    if value_projection is not None:
+        out = value_projection.matmul(out)
+    return out.permute(0, 2, 1, 3).contiguous().reshape(out.ne[0], heads, n)
 
 
 def _attend(

@@ -29,6 +29,8 @@ class Segment:
 
     key (k_head_dim, kv_heads, history), value (v_head_dim, kv_heads, history) or with permuted V
     (history, v_head_dim, kv_heads), mask (history, count): 0 where a row may attend, -inf where not.
+    apart: each row attends as a one-row batch would (rows verifying drafts, `Batch.apart`), with this history,
+    which is the one each row alone gets.
     """
 
     begin: int
@@ -36,6 +38,7 @@ class Segment:
     key: Tensor
     value: Tensor
     mask: Tensor
+    apart: bool = False
 
 
 ShiftFn = Callable[[Context, int, Tensor, Tensor], Tensor]

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,8 +56,8 @@ from .cache import (
     backend_cache_config,
 )
 
-Layout = tuple[tuple[int, int, int], ...]
-"""Per segment (rows, first history cell, history length): what a graph built for a batch depends on."""
+Layout = tuple[tuple[int, int, int, bool], ...]
+"""Per segment (rows, first history cell, history length, rows apart): what a graph built for a batch depends on."""
 
 
 _MASK_VALUES = {t: np.array([-np.inf, 0], dtype=t) for t in (np.float16, np.float32)}  # indexed by visibility
@@ -71,6 +71,7 @@ class _Span:
     count: int
     start: int  # first history cell
     length: int
+    apart: bool = False  # each row attends as a one-row batch (Segment.apart)
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,17 @@ class _Bound:
     masks: tuple[np.ndarray, ...]
     locs_tensor: Tensor
     mask_tensors: tuple[Tensor, ...]
+
+
+def _together(rows: Iterable[_Span]) -> list[_Span]:
+    """One-row spans of a sequence's rows apart, as one span where every row has the same history (the usual
+    case: the history's length changes at multiples of the padding), so that attention computes them together;
+    else as they are."""
+    spans = list(rows)
+    first = spans[0]
+    if len(spans) > 1 and all(span.start == first.start and span.length == first.length for span in spans):
+        return [_Span(first.begin, len(spans), first.start, first.length, apart=True)]
+    return spans
 
 
 class Causal:
@@ -223,9 +235,10 @@ class Causal:
             spans = []
             try:
                 for seq, begin, count in runs:
-                    for row, rows in ([(begin + i, 1) for i in range(count)] if seq in batch.apart
-                                      else [(begin, count)]):
-                        spans.append(self._place(batch, seq, row, rows, locs))
+                    if seq in batch.apart:
+                        spans += _together(self._place(batch, seq, begin + i, 1, locs) for i in range(count))
+                    else:
+                        spans.append(self._place(batch, seq, begin, count, locs))
             except CacheFullError:
                 for span in spans:  # give back the cells of the sequences placed before
                     self._used[locs[span.begin : span.begin + span.count]] = False
@@ -238,7 +251,7 @@ class Causal:
     @property
     def layout(self) -> Layout:
         self._require_batch()
-        return tuple((span.count, span.start, span.length) for span in self._spans)
+        return tuple((span.count, span.start, span.length, span.apart) for span in self._spans)
 
     def bind(self, ctx: Context) -> None:
         """Create the batch's cell-index and mask inputs in ctx, or refill them if ctx already has them."""
@@ -331,7 +344,7 @@ class Causal:
         segments = []
         for span, mask in zip(self._spans, self._bound.mask_tensors, strict=True):
             key, value = self._cell_views(ctx, keys, values, span.start, span.length)
-            segments.append(Segment(span.begin, span.count, key, value, mask))
+            segments.append(Segment(span.begin, span.count, key, value, mask, span.apart))
         return segments
 
     # ------------------------------------------------------------ sequences

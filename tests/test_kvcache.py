@@ -393,7 +393,7 @@ def test_reserve_leaves_bookkeeping(backend):
     cache = new_cache(backend, Causal(), False)
     store(backend, cache, [0, 1])
     layout = cache.prepare(Batch(positions=list(range(16)), sequences=[0] * 16), reserve=True)
-    assert layout == ((16, 0, cache.cells),)  # the whole region is the worst-case history
+    assert layout == ((16, 0, cache.cells, False),)  # the whole region is the worst-case history
     key, *_ = forward(backend, cache, [5.0], (1, 1, 1), [0], [2])
     np.testing.assert_array_equal(key.reshape(-1), [0, 1, 5])  # the reserve batch stored nothing
 
@@ -508,7 +508,7 @@ def test_padding_and_graph_reuse(backend):
     ctx = backend.new_context()
     try:
         layout = cache.prepare(Batch(positions=[3], sequences=[0]))
-        assert layout == ((1, 0, 256),)
+        assert layout == ((1, 0, 256, False),)
         cache.bind(ctx)
         cache.set_layer(0)
         token = np.full((1, 1, 1), 30.0, dtype=np.float32)
@@ -562,7 +562,7 @@ def test_wrapper_unwinds_on_failure(backend):
     small.init(backend, DType.F16, 1, 2, 4)
     with pytest.raises(CacheFullError):
         wrapper.prepare(Batch(positions=[0, 1, 2], sequences=[0, 0, 0]))
-    assert large.prepare(Batch(positions=[0], sequences=[0])) == ((1, 0, 1),)  # the first cache was emptied again
+    assert large.prepare(Batch(positions=[0], sequences=[0])) == ((1, 0, 1, False),)  # the first cache emptied again
 
 
 def reference_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:

@@ -187,7 +187,7 @@ class Tensor:
     def _matmul_in_pieces(self, other: Tensor, rows: int) -> Tensor:
         """self (K, M) times other's rows, at most `rows` of them per product, joined in order."""
         k, total = other.ne[0], other.ne[1] * other.ne[2] * other.ne[3]
-        x = (other if ggml.is_contiguous(other.handle) else other.contiguous()).reshape(k, total)
+        x = other.packed().reshape(k, total)
         ctx = self._graph(other)
         out = None
         for begin in range(0, total, rows):
@@ -210,7 +210,7 @@ class Tensor:
         n = matrix.ne[0]
         if matrix.ne[:2] != (n, n) or n & (n - 1) or self.ne[0] % n or matrix.dtype != DType.F32:
             raise ShapeError(f"hadamard: {self.shape} by {matrix.shape} ({matrix.dtype.name})")
-        rows = (self if ggml.is_contiguous(self.handle) else self.contiguous()).reshape(n, self.element_count() // n)
+        rows = self.packed().reshape(n, self.element_count() // n)
         ctx = self._graph(matrix)
         rotated = Tensor(ctx, ops.mul_mat(ctx.handle, matrix.handle, rows.handle))
         ops.mul_mat_set_hint(rotated.handle, ops.HINT_SRC0_IS_HADAMARD)
@@ -332,7 +332,8 @@ class Tensor:
         """softmax(self * scale + mask) along rows; sinks (F32, one per head: dim 2) add a logit to each
         head's denominator that takes probability without a value (gpt-oss's attention sinks)."""
         if mask is not None:
-            if mask.dtype not in (DType.F32, DType.F16) or mask.ne[0] != self.ne[0] or mask.ne[1] < self.ne[1]:
+            if (mask.dtype not in (DType.F32, DType.F16) or mask.ne[0] != self.ne[0] or mask.ne[1] < self.ne[1]
+                    or self.ne[2] % mask.ne[2] or self.ne[3] % mask.ne[3]):
                 raise ShapeError(f"softmax: mask {mask.shape} for scores {self.shape}")
         _check_sinks(sinks, self.ne[2], "softmax")
         ctx = self._graph(mask, sinks)
@@ -507,6 +508,10 @@ class Tensor:
 
     def transpose(self) -> Tensor:
         return self._new(ops.transpose(self._graph().handle, self.handle))
+
+    def packed(self) -> Tensor:
+        """self where its elements are already packed in order (reshape() takes it), else a packed copy."""
+        return self if ggml.is_contiguous(self.handle) else self.contiguous()
 
     def contiguous(self, *shape: int) -> Tensor:
         """A packed copy, optionally reshaped to `shape`."""
