@@ -23,6 +23,7 @@ from ollama_engine.runner.loop import Runner
 from ollama_engine.runner.sequence import SequenceOptions
 from ollama_engine.runner.speculate import (
     MAX_DRAFT,
+    ROWS_ANY,
     ROWS_QUANTIZED,
     ROWS_REPACKED,
     NgramIndex,
@@ -82,8 +83,10 @@ class CheapRows(StepCost):
         return 1.0 + 0.1 * (rows - 1)
 
 
-def open_runner(path: Path, parallel: int = 1, kv_size: int = 2048, flash: bool = True) -> tuple[Runner, Any]:
-    params = LoadParams(parallel=parallel, batch_size=64, kv_size=kv_size, num_threads=2, flash_attention=int(flash))
+def open_runner(path: Path, parallel: int = 1, kv_size: int = 2048, flash: bool = True,
+                batch_size: int = 64) -> tuple[Runner, Any]:
+    params = LoadParams(parallel=parallel, batch_size=batch_size, kv_size=kv_size, num_threads=2,
+                        flash_attention=int(flash))
     loaded = open_model(str(path), params, allocate=True)
     loaded.model.backend.load()
     runner = Runner(loaded, lambda err: pytest.fail(f"runner failed: {err}"))
@@ -163,8 +166,8 @@ def test_one_slow_step_does_not_turn_speculation_off():
 
 
 def test_verify_rows_follow_the_kernels(runner):
-    """Dense models verify up to 33 rows whatever their weights: a verify graph cuts each product to its limit."""
-    assert verify_rows(runner.model) == MAX_DRAFT + 1
+    """Dense models verify up to 17 rows whatever their weights: a verify graph cuts each product to its limit."""
+    assert verify_rows(runner.model) == ROWS_ANY == 17
 
 
 def test_matmul_row_limits_by_weight(runner):
@@ -194,7 +197,7 @@ def test_a_mixture_keeps_the_cap_of_its_tightest_weight():
 
     dense = {"attn_q": weight(DType.Q4_K, 64, 64), "output": weight(DType.Q8_0, 64, 100)}
     experts = {**dense, "ffn_up_exps": weight(DType.Q4_K, 64, 128, 4)}
-    assert verify_rows(model(dense, {"attn_q"})) == MAX_DRAFT + 1
+    assert verify_rows(model(dense, {"attn_q"})) == ROWS_ANY
     assert verify_rows(model(experts, {"attn_q", "ffn_up_exps"})) == ROWS_REPACKED
     assert verify_rows(model(experts, set())) == ROWS_QUANTIZED
     experts["ffn_down_exps"] = weight(DType.Q4_0, 128, 64, 4)  # not repacked: its many-row kernel is unchecked
@@ -213,7 +216,7 @@ def test_greedy_alone(runner):
 
 
 def test_greedy_with_long_drafts(runner):
-    """Up to 32 drafts a step: batches of 9 to 33 rows, past the sizes where other kernels take over, on a
+    """Up to 16 drafts a step (32 asked): batches of 9 to 17 rows, past the sizes where other kernels take over, on a
     history past 512 cells (where the attention's kernels split long histories)."""
     if verify_rows(runner.model) <= ROWS_QUANTIZED:
         pytest.skip("this model's row cap keeps verify batches below 8 rows")
@@ -271,6 +274,21 @@ def test_sampled_draws_the_same_tokens(runner, seed):
         return Run(runner, COPY, spec, sampler=Sampler(temperature=0.7, top_k=40, top_p=0.95, seed=seed),
                    num_predict=50)
     plain, spec = sampled(False), sampled(True)
+    assert spec.logprobs == plain.logprobs
+    assert_accepted(spec)
+
+
+def test_verify_batches_stay_within_the_batch_size(gemma3_path):
+    """A batch of 8 (num_batch): verify batches of at most 8 rows, as the memory plan and Gemma's sliding-window
+    ring (the window and one batch) were sized for, and still plain decoding's logprobs."""
+    runner, loaded = open_runner(gemma3_path, batch_size=8, flash=False)
+    try:
+        assert runner.spec_rows == 8
+        plain = Run(runner, COPY, False, num_predict=40)
+        spec = Run(runner, COPY, True, num_predict=40, draft_num_predict=MAX_DRAFT)
+    finally:
+        runner.close()
+        loaded.close()
     assert spec.logprobs == plain.logprobs
     assert_accepted(spec)
 

@@ -141,7 +141,7 @@ def open_model(path: str, params: LoadParams, allocate: bool) -> LoadedModel:
         decode = min(parallel, batch_size)
         reserve_graph(model, tokens=batch_size, outputs=decode).close()
         reserve_graph(model, tokens=decode, outputs=decode, sequences=decode).close()
-        if (rows := verify_rows(model)) > decode:  # a batch verifying drafts: one output per row
+        if (rows := verify_rows(model, batch_size)) > decode:  # a batch verifying drafts: one output per row
             reserve_graph(model, tokens=rows, outputs=rows).close()
     except BaseException:
         model.close()

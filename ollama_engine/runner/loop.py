@@ -90,7 +90,7 @@ class Runner:
         self.closing = False
         self.in_flight = 0
         """Batches formed and not yet sampled (under cond)."""
-        self.spec_rows = verify_rows(self.model)
+        self.spec_rows = verify_rows(self.model, self.batch_size)
         """Most rows of a batch holding drafts (0: no exact speculation for this model; runner/speculate.py)."""
         self.model.graphs.verify_row_limits = matmul_row_limits(self.model) if self.spec_rows > 1 else None
         self.step_cost = StepCost()

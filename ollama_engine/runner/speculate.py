@@ -63,7 +63,10 @@ DEFAULT_DRAFT = 16
 MAX_DRAFT = 32
 ROWS_REPACKED = 3  # every row of a product of at most 3 takes a repacked type's one-row kernel
 ROWS_QUANTIZED = 7  # below 8 rows, K-quants and IQ types use the kernel a decode step uses
-ROWS_ANY = MAX_DRAFT + 1
+ROWS_ANY = DEFAULT_DRAFT + 1
+"""The cap where every product can be cut to its kernel's limit. Not MAX_DRAFT + 1: the runner reserves memory for
+a verify batch of this many rows whether or not requests speculate, and each row's logits cost a vocabulary of
+floats (1 MiB for Gemma's 262 144 tokens)."""
 _ROW_BY_ROW = {DType.Q4_1, DType.Q5_1, DType.Q8_0, DType.Q5_0}
 """Weight types whose matmul computes every row as a one-row product does, however many rows it has."""
 _TILED = {DType.Q2_K, DType.Q3_K, DType.Q4_K, DType.Q5_K, DType.Q6_K, DType.IQ4_XS, DType.IQ2_XXS, DType.IQ2_XS,
@@ -77,9 +80,15 @@ DECAY = 0.8  # weight of the past in the acceptance counts
 _FULL_PRECISION = {DType.F32, DType.F16, DType.BF16}
 
 
-def verify_rows(model) -> int:
+def verify_rows(model, batch_size: int | None = None) -> int:
     """The most rows a batch holding drafts may have so that each row is computed as a decode step computes
-    it (0 or 1: speculation cannot be exact for this model)."""
+    it (0 or 1: speculation cannot be exact for this model); at most batch_size, what the cache (a sliding
+    window's ring holds the window and one batch) and the memory plan were sized for."""
+    rows = _verify_rows(model)
+    return rows if batch_size is None else min(rows, batch_size)
+
+
+def _verify_rows(model) -> int:
     backend = model.backend
     if model.cache is None or any(backend.layer_device(i).is_gpu for i in range(backend.block_count + 1)):
         return 0
