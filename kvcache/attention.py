@@ -56,14 +56,7 @@ def attention(
     out = None
     for segment in segments:
         rows = query if len(segments) == 1 else _rows(query, segment.begin, segment.count)
-        if segment.apart and segment.count > 1 and ctx.backend.flash_attention:  # the fused kernel row by row
-            for row in range(segment.count):
-                mask = segment.mask.view(segment.mask.strides[1] * row, (segment.mask.ne[0], 1))
-                part = _attend(ctx, _rows(rows, row, 1), segment.key, segment.value, mask, scale, permuted_v,
-                               softcap, sinks, value_projection)
-                out = part if out is None else out.concat(part, 2)
-            continue
-        attend = _attend_apart if segment.apart and segment.count > 1 else _attend
+        attend = _attend_apart if segment.apart else _attend
         part = attend(ctx, rows, segment.key, segment.value, segment.mask, scale, permuted_v, softcap, sinks,
                       value_projection)
         out = part if out is None else out.concat(part, 2)

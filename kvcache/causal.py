@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -86,11 +86,10 @@ class _Bound:
     mask_tensors: tuple[Tensor, ...]
 
 
-def _together(rows: Iterable[_Span]) -> list[_Span]:
+def _together(spans: list[_Span]) -> list[_Span]:
     """One-row spans of a sequence's rows apart, as one span where every row has the same history (the usual
     case: the history's length changes at multiples of the padding), so that attention computes them together;
     else as they are."""
-    spans = list(rows)
     first = spans[0]
     if len(spans) > 1 and all(span.start == first.start and span.length == first.length for span in spans):
         return [_Span(first.begin, len(spans), first.start, first.length, apart=True)]
@@ -236,7 +235,9 @@ class Causal:
             try:
                 for seq, begin, count in runs:
                     if seq in batch.apart:
-                        spans += _together(self._place(batch, seq, begin + i, 1, locs) for i in range(count))
+                        rows = [self._place(batch, seq, begin + i, 1, locs) for i in range(count)]
+                        # ggml's fused kernel computes each of fewer than 64 query rows alone anyway
+                        spans += rows if self._backend.flash_attention else _together(rows)
                     else:
                         spans.append(self._place(batch, seq, begin, count, locs))
             except CacheFullError:

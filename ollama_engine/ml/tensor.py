@@ -181,14 +181,13 @@ class Tensor:
         limits = ctx.matmul_row_limits
         limit = limits.get(self.storage) if limits else None
         if limit is not None and a[2] == a[3] == 1 and b[1] * b[2] * b[3] > limit:
-            return self._matmul_in_pieces(other, limit)
+            return self._matmul_in_pieces(ctx, other, limit)
         return self._new(ops.mul_mat(ctx.handle, self.handle, other.handle), other)
 
-    def _matmul_in_pieces(self, other: Tensor, rows: int) -> Tensor:
+    def _matmul_in_pieces(self, ctx: Context, other: Tensor, rows: int) -> Tensor:
         """self (K, M) times other's rows, at most `rows` of them per product, joined in order."""
         k, total = other.ne[0], other.ne[1] * other.ne[2] * other.ne[3]
         x = other.packed().reshape(k, total)
-        ctx = self._graph(other)
         out = None
         for begin in range(0, total, rows):
             piece = x.view(x.strides[1] * begin, (k, min(rows, total - begin)))

@@ -84,11 +84,6 @@ def verify_rows(model, batch_size: int | None = None) -> int:
     """The most rows a batch holding drafts may have so that each row is computed as a decode step computes
     it (0 or 1: speculation cannot be exact for this model); at most batch_size, what the cache (a sliding
     window's ring holds the window and one batch) and the memory plan were sized for."""
-    rows = _verify_rows(model)
-    return rows if batch_size is None else min(rows, batch_size)
-
-
-def _verify_rows(model) -> int:
     backend = model.backend
     if model.cache is None or any(backend.layer_device(i).is_gpu for i in range(backend.block_count + 1)):
         return 0
@@ -96,8 +91,10 @@ def _verify_rows(model) -> int:
     if any(t.dtype in _FULL_PRECISION for t in matrices):
         return 0
     if all(t.ne[2] == 1 for t in matrices):  # dense: every product can be cut to its limit
-        return ROWS_ANY
-    return min(matmul_row_limits(model).values(), default=ROWS_ANY)  # experts: the whole batch within each limit
+        rows = ROWS_ANY
+    else:  # experts: the whole batch within each limit
+        rows = min(matmul_row_limits(model).values(), default=ROWS_ANY)
+    return rows if batch_size is None else min(rows, batch_size)
 
 
 def matmul_row_limits(model) -> dict[int, int]:
