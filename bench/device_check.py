@@ -41,9 +41,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import glob
 import json
 import os
 import platform
+import runpy
 import shutil
 import signal
 import subprocess
@@ -63,9 +65,12 @@ sys.path[:0] = [str(HERE), str(ROOT), str(ROOT / "tests")]  # bench.py, the engi
 
 PACK = ROOT / ".device-check"  # what `pack` writes here and the device run reads there
 DEVICE_BUILD = ROOT / "build" / "device-cuda"
-BUILD_TARGETS = ("ggml", "llama", "llama-bench", "llama-server")
+PREBUILT = PACK / "cuda-build.tar.xz"  # `prebuild`'s binaries, used there in place of a build where they run
+BUILD_TARGETS = ("ggml", "llama", "llama-bench", "llama-server", "llama-fit-params")
 SOURCE_PARTS = ("CMakeLists.txt", "cmake", "common", "ggml", "include", "src", "tools", "vendor", "licenses", "app",
-                "LICENSE", "build-xcframework.sh")
+                "LICENSE", "build-xcframework.sh",
+                "models/ggml-vocab-llama-bpe.gguf")  # the synthetic 8B model's vocabulary (tests/synthetic)
+HEADER_PARTS = ("ggml/include", "ggml/src", "models/ggml-vocab-llama-bpe.gguf")
 WHEELS = ("cffi==2.1.1", "pycparser==3.12", "gguf==0.19.0", "llguidance==1.9.1", "diskcache==5.6.3")  # as in .venv
 CPU_TOLERANCE = 1e-4  # the parity tests' bound on the CPU: same kernels, same batches
 GPU_TOLERANCE = 2e-3  # on CUDA the same graph may be split or reduced differently by batch size
@@ -92,7 +97,7 @@ STEPS = (
     Step("memory", 70, 120, False, True),
     Step("layout", 40, 120, False, True),
     Step("speed", 100, 100, True, False),
-    Step("serve", 80, 80, True, False),
+    Step("serve", 100, 100, True, False),
     Step("bigbatch", 120, 120, True, False),
 )
 BUILD_SECONDS = 300
@@ -154,12 +159,15 @@ def pack(wheels: bool, real_layers: int) -> int:
     if not exclude.exists() or "/.device-check/" not in exclude.read_text():
         with exclude.open("a") as out:
             out.write("/.device-check/\n")
-    log("packing the llama.cpp source the build needs")
+    # with `prebuild`'s binaries packed, the run there compiles only our bindings: ggml's headers will do
+    parts = HEADER_PARTS if PREBUILT.exists() else SOURCE_PARTS
+    log(f"packing the llama.cpp {'headers' if PREBUILT.exists() else 'source'} the run needs")
     with tarfile.open(PACK / "llama-src.tar.gz", "w:gz") as archive:
-        for part in SOURCE_PARTS:
+        for part in parts:
             if (tree / part).exists():
-                archive.add(tree / part, arcname=f"llama.cpp/{part}",
-                            filter=lambda info: None if "/webui/node_modules" in info.name else info)
+                archive.add(tree / part, arcname=f"llama.cpp/{part}", filter=lambda info: None if (
+                    "/webui/node_modules" in info.name or parts is HEADER_PARTS and info.isfile()
+                    and not info.name.endswith((".h", ".gguf"))) else info)
     bindings = tree.parents[1] / "llama_cpp"
     shutil.rmtree(PACK / "llama_cpp", ignore_errors=True)
     shutil.copytree(bindings, PACK / "llama_cpp", ignore=shutil.ignore_patterns("lib", "__pycache__", "*.so"))
@@ -212,6 +220,8 @@ def install_pack() -> None:
     mapping = {f"ollama_engine.{name}": str(ROOT / name) for name in ("models", "kvcache", "server")}
     site.mkdir(exist_ok=True)
     (site / "sitecustomize.py").write_text(SITECUSTOMIZE.replace("MAPPING = {}", f"MAPPING = {mapping!r}"))
+    if not any(type(finder).__name__ == "_EngineFinder" for finder in sys.meta_path):  # this process started
+        runpy.run_path(str(site / "sitecustomize.py"))  # before the file existed: its finder here too
     paths = [str(site), str(PACK)]
     os.environ["PYTHONPATH"] = os.pathsep.join(paths + [str(ROOT), os.environ.get("PYTHONPATH", "")])
     sys.path[:0] = paths
@@ -241,26 +251,102 @@ def source_tree() -> Path:
     if not target.joinpath("llama.cpp").exists():
         with tarfile.open(tarball) as archive:
             archive.extractall(target, filter="data")
+    os.environ["OLLAMA_ENGINE_LLAMA_CPP"] = str(target / "llama.cpp")  # where the synthetic models find vocabularies
     return target / "llama.cpp"
 
 
-def build(jobs: int, log_path: Path, seconds: float) -> dict[str, Any]:
-    """ggml (CUDA), libllama, llama-bench and llama-server in one tree; our bindings against its ggml."""
+def cmake_options(arch: str, portable: bool) -> list[str]:
+    """The device build's configuration: ggml with CUDA for one architecture, libllama and the two tools.
+    portable: CPU code any x86-64 with AVX2 runs (binaries made here for another machine), else this CPU's."""
     import build_ggml
 
-    tree, arch, started = source_tree(), cuda_arch(), time.monotonic()
-    options = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON", "-DGGML_NATIVE=ON", "-DGGML_CUDA=ON",
-               f"-DCMAKE_CUDA_ARCHITECTURES={arch}", "-DGGML_RPC=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
-               "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=ON",
-               "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_COMMON=ON", "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON",
-               "-DCMAKE_INSTALL_RPATH=$ORIGIN", *build_ggml.compiler_cmake_args()]
+    cpu = ["-DGGML_NATIVE=OFF", *(f"-DGGML_{ext}=ON" for ext in ("AVX", "AVX2", "FMA", "F16C", "BMI2"))] \
+        if portable else ["-DGGML_NATIVE=ON"]
+    return ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON", *cpu, "-DGGML_CUDA=ON",
+            f"-DCMAKE_CUDA_ARCHITECTURES={arch}", "-DGGML_CUDA_NCCL=OFF", "-DGGML_RPC=OFF", "-DLLAMA_CURL=OFF",
+            "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=ON",
+            "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_COMMON=ON", "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON",
+            "-DCMAKE_INSTALL_RPATH=$ORIGIN", *build_ggml.compiler_cmake_args()]
+
+
+def cmake_build(tree: Path, build_dir: Path, options: list[str], jobs: int, seconds: float, log_file: Any) -> None:
+    """Configure and build BUILD_TARGETS, the whole within `seconds` (TimeoutExpired past them)."""
+    started = time.monotonic()
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-    with log_path.open("a") as out:
-        for command in (["cmake", "-S", str(tree), "-B", str(DEVICE_BUILD), *generator, *options],
-                        ["cmake", "--build", str(DEVICE_BUILD), "-j", str(jobs), "--target", *BUILD_TARGETS]):
-            if run_bounded(command, seconds - (time.monotonic() - started), out) != 0:
-                raise RuntimeError(f"{' '.join(command[:3])} failed: see build.log")
+    for command in (["cmake", "-S", str(tree), "-B", str(build_dir), *generator, *options],
+                    ["cmake", "--build", str(build_dir), "-j", str(jobs), "--target", *BUILD_TARGETS]):
+        if run_bounded(command, seconds - (time.monotonic() - started), log_file) != 0:
+            raise RuntimeError(f"{' '.join(command[:3])} failed: see the build log")
+
+
+def prebuild(arch: str, jobs: int) -> int:
+    """Here, where nvcc and cuBLAS are installed but no GPU is: the device build with portable CPU code, its
+    binaries packed into .device-check/ so that a device run spends no device time compiling (the build is
+    ~75 CPU-minutes: 144 CUDA files at 10-60 s each, beyond 300 s on 16 cores)."""
+    toolkit = Path(shutil.which("nvcc") or "nvcc").resolve().parents[1]
+    build_dir = ROOT / "build" / "device-cuda-portable"
+    options = cmake_options(arch, portable=True)
+    stub = toolkit / "lib64" / "stubs" / "libcuda.so"
+    if not stub.exists():  # no driver nor its stub here: an empty libcuda.so.1 to link against, whose
+        # symbols the GPU machine's driver defines at run time
+        stub = build_dir / "libcuda-stub" / "libcuda.so"
+        stub.parent.mkdir(parents=True, exist_ok=True)
+        stub.with_suffix(".c").write_text("")
+        subprocess.run(["cc", "-shared", "-o", str(stub), "-Wl,-soname,libcuda.so.1", str(stub.with_suffix(".c"))],
+                       check=True)
+        options += [f"-DCUDA_cuda_driver_LIBRARY={stub}", "-DCMAKE_EXE_LINKER_FLAGS=-Wl,--allow-shlib-undefined"]
+    log(f"building for sm_{arch} on {jobs} cores (log: {build_dir / 'build.log'})")
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with (build_dir / "build.log").open("a") as out:
+        cmake_build(llama_tree(), build_dir, options, jobs, 6 * 3600, out)
+    return pack_prebuilt(build_dir / "bin", arch, options)
+
+
+def pack_prebuilt(bin_dir: Path, arch: str, options: list[str]) -> int:
+    """The libraries and the two tools of a finished device build, into .device-check/ (xz: ~1/4 the size)."""
+    PACK.mkdir(exist_ok=True)
+    (bin_dir / "prebuilt.json").write_text(json.dumps({"arch": arch, "options": options}))
+    with tarfile.open(PREBUILT, "w:xz") as archive:
+        for path in sorted(bin_dir.iterdir()):
+            if path.name.startswith("lib") or path.name in (*BUILD_TARGETS, "prebuilt.json"):
+                archive.add(path, arcname=path.name)
+    print(json.dumps({"prebuilt": str(PREBUILT), "bytes": PREBUILT.stat().st_size}))
+    return 0
+
+
+def unpack_prebuilt(arch: str, bin_dir: Path, log_file: Any) -> bool:
+    """`prebuild`'s binaries into bin_dir where they are for this GPU and run here (llama-bench lists the
+    GPU); False, with bin_dir removed, where not (then the run builds)."""
+    if not PREBUILT.exists():
+        return False
+    shutil.rmtree(bin_dir.parent, ignore_errors=True)
+    bin_dir.mkdir(parents=True)
+    with tarfile.open(PREBUILT) as archive:
+        archive.extractall(bin_dir, filter="data")
+    built_for = json.loads((bin_dir / "prebuilt.json").read_text())["arch"]
+    listed = subprocess.run([str(bin_dir / "llama-bench"), "--list-devices"], capture_output=True, text=True,
+                            timeout=60)
+    log_file.write(f"prebuilt for sm_{built_for}; llama-bench --list-devices: {listed.stdout}{listed.stderr}\n")
+    if built_for == arch and listed.returncode == 0 and "CUDA0" in listed.stdout:
+        return True
+    shutil.rmtree(bin_dir.parent, ignore_errors=True)
+    return False
+
+
+def build(tree: Path, jobs: int, log_path: Path, seconds: float) -> dict[str, Any]:
+    """ggml (CUDA), libllama, llama-bench and llama-server in one tree (or `prebuild`'s, where they run);
+    our bindings against its ggml."""
+    import build_ggml
+
+    arch, started = cuda_arch(), time.monotonic()
     bin_dir = DEVICE_BUILD / "bin"
+    with log_path.open("a") as out:
+        prebuilt = unpack_prebuilt(arch, bin_dir, out)
+        if not prebuilt and not tree.joinpath("CMakeLists.txt").exists():
+            raise RuntimeError("prebuild's binaries did not run here (build.log says why) and only ggml's headers "
+                               "travelled: remove .device-check/cuda-build.tar.xz, pack again, carry the source")
+        if not prebuilt:
+            cmake_build(tree, DEVICE_BUILD, cmake_options(arch, portable=False), jobs, seconds, out)
     shutil.rmtree(build_ggml.LIB_DIR, ignore_errors=True)
     build_ggml.LIB_DIR.mkdir(parents=True)
     built = sorted(bin_dir.glob("libggml*.so*"))
@@ -268,7 +354,25 @@ def build(jobs: int, log_path: Path, seconds: float) -> dict[str, Any]:
         shutil.copy2(lib, build_ggml.LIB_DIR / lib.name, follow_symlinks=False)
     build_ggml.compile_bindings(tree, sorted({lib.name[3:].split(".so")[0] for lib in built}))
     os.environ["LLAMA_CPP_LIB_PATH"] = str(bin_dir)  # the reference's libllama, on the same ggml
-    return {"arch": arch, "seconds": round(time.monotonic() - started, 1), "targets": list(BUILD_TARGETS)}
+    return {"arch": arch, "prebuilt": prebuilt, "seconds": round(time.monotonic() - started, 1),
+            "targets": list(BUILD_TARGETS)}
+
+
+def cuda_library_dirs() -> list[str]:
+    """Folders holding the CUDA runtime and cuBLAS libraries the build links, where the loader's cache lacks
+    them (an image may keep them in the toolkit's folder or in Python's nvidia-* packages)."""
+    cached = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
+    found: list[str] = []
+    patterns = ["/usr/local/cuda*/lib64", "/usr/local/cuda*/targets/*/lib",
+                *(f"{site}/nvidia/*/lib" for site in sys.path if site.endswith("-packages"))]
+    for library in ("libcudart.so.", "libcublas.so.", "libcublasLt.so."):
+        if library in cached:
+            continue
+        for folder in sorted({f for p in patterns for f in glob.glob(p)}):
+            if glob.glob(f"{folder}/{library}*") and folder not in found:
+                found.append(folder)
+                break
+    return found
 
 
 # ---------------------------------------------------------------- steps (each in its own process)
@@ -483,7 +587,12 @@ def step_memory(args: argparse.Namespace) -> dict[str, Any]:
             estimate = sum(g.size() for g in loaded.memory.gpus)
             after = nvml_used()
             entry = {"layers_on_gpu": sum(len(g.layers) for g in layers), "fit_equals_alloc": True,
-                     "gpu_estimate": estimate, "cpu_estimate": loaded.memory.cpu.size()}
+                     "gpu_estimate": estimate, "cpu_estimate": loaded.memory.cpu.size(),
+                     "gpu_estimate_mib": {kind: round(sum(sum(getattr(g, kind)) if kind != "graph" else g.graph
+                                                          for g in loaded.memory.gpus) / 2**20, 1)
+                                          for kind in ("weights", "cache", "graph")}}
+            if layers and llama_tool("llama-fit-params").exists():  # llama.cpp's estimate of the same load
+                entry["llama_cpp_estimate_mib"] = llama_fit_print(path, entry["layers_on_gpu"], params)
             if before is not None and after is not None and layers:
                 entry["gpu_measured"] = after - before
                 entry["measured_over_estimate"] = round((after - before) / max(estimate, 1), 3)
@@ -494,6 +603,29 @@ def step_memory(args: argparse.Namespace) -> dict[str, Any]:
         ok &= entry["status"] == "pass"
         cases[case] = entry
     return {"model": name, "cases": cases, "status": "pass" if ok else "fail"}
+
+
+def llama_tool(name: str) -> Path:
+    return DEVICE_BUILD / "bin" / name
+
+
+def llama_fit_print(path: Path, ngl: int, params: Any) -> dict[str, dict[str, int]]:
+    """llama.cpp's estimate of a load (`llama-fit-params --fit-print`): MiB per device of model, context and
+    compute buffers, for the same layers, cells, sequences, batch and attention as `params`."""
+    out = subprocess.run([str(llama_tool("llama-fit-params")), "-m", str(path), "-ngl", str(ngl), "-c",
+                          str(params.kv_size), "-np", str(params.parallel), "-b", str(params.batch_size), "-ub",
+                          str(params.batch_size), "-fa", "on" if params.flash_attention == 1 else "off",
+                          "--fit-print", "on"], capture_output=True, text=True, timeout=60).stdout
+    rows = [line.split() for line in out.splitlines() if len(line.split()) == 4]
+    return {name: dict(zip(("model", "context", "compute"), map(int, values), strict=True)) for name, *values in rows
+            if all(v.isdigit() for v in values)}
+
+
+def llama_fit(path: Path, *extra: str) -> str:
+    """The arguments llama.cpp's --fit chooses (`llama-fit-params`: "-c N -ngl N ..."), or its error."""
+    result = subprocess.run([str(llama_tool("llama-fit-params")), "-m", str(path), *extra], capture_output=True,
+                            text=True, timeout=60)
+    return result.stdout.strip() or f"exit {result.returncode}: {result.stderr.strip()[-300:]}"
 
 
 def plan_json(path: Path, *extra: str) -> dict[str, Any]:
@@ -513,7 +645,9 @@ def step_layout(args: argparse.Namespace) -> dict[str, Any]:
     # simulated GPU; on a real one, the 8B model's f16 cache (128 KiB a token) a little over the GPU's memory
     total = nvml_total()
     too_big = "65536" if args.cpu or not total else str(int(total * 1.05) // (128 << 10))
-    cases = {"auto": [], "partial": ["--num-gpu", "4"], "context_too_big": ["--ctx", too_big]}
+    cases = {"auto": ["--ctx", "4096"], "partial": ["--ctx", "4096", "--num-gpu", "4"],
+             "context_too_big": ["--ctx", too_big]}
+    theirs = {"auto": ["-c", "4096"], "partial": ["-c", "4096", "-ngl", "4"], "context_too_big": ["-c", too_big]}
     results: dict[str, Any] = {"model": name, "simulated_gpu": bool(gpu), "cases": {}}
     ok = True
     for case, extra in cases.items():
@@ -529,6 +663,8 @@ def step_layout(args: argparse.Namespace) -> dict[str, Any]:
             good = plan["fits"] and 0 < plan["offloaded_layers"] < plan["total_layers"] or (
                 not args.cpu and bool(plan["error"]))
         entry["status"] = "pass" if good else "fail"
+        if not args.cpu and llama_tool("llama-fit-params").exists():  # what llama.cpp's --fit does instead
+            entry["llama_cpp_fit"] = llama_fit(path, "-np", "1", *theirs[case])  # -fa auto, as ours
         ok &= good
         results["cases"][case] = entry
     results["status"] = "pass" if ok else "fail"
@@ -538,7 +674,7 @@ def step_layout(args: argparse.Namespace) -> dict[str, Any]:
 def step_speed(args: argparse.Namespace) -> dict[str, Any]:
     """pp512 / tg128: llama-bench against ours (one 512-token batch, 128 single-token decodes)."""
     path = model_paths(args)[SYNTHETIC_8B]
-    bench = DEVICE_BUILD / "bin" / "llama-bench"
+    bench = llama_tool("llama-bench")
     total = gpu_layout(Path(path), None)
     layers = len(total[0].layers)
     results: dict[str, Any] = {"model": SYNTHETIC_8B, "cases": {}}
@@ -562,8 +698,12 @@ def ours_speed(path: Path, ngl: int, op_offload: bool = True) -> dict[str, float
     try:
         rng = np.random.default_rng(0)
         tokens = [int(t) for t in rng.integers(100, 30000, 512)]
+        prompt = Batch(positions=range(512), sequences=[0] * 512, outputs=[511], tokens=tokens)
+        model.graphs.compute(prompt)  # a warm-up as llama-bench's: the first use of each kernel, the first
+        model.graphs.compute(Batch(positions=[512], sequences=[0], outputs=[0], tokens=[tokens[0]]))  # graphs
+        model.cache.remove(0, 0)
         started = time.perf_counter()
-        model.graphs.compute(Batch(positions=range(512), sequences=[0] * 512, outputs=[511], tokens=tokens))
+        model.graphs.compute(prompt)
         pp = 512 / (time.perf_counter() - started)
         started = time.perf_counter()
         for i in range(128):
@@ -574,11 +714,11 @@ def ours_speed(path: Path, ngl: int, op_offload: bool = True) -> dict[str, float
 
 
 def step_serve(args: argparse.Namespace) -> dict[str, Any]:
-    """bench/serve_bench.py on the 8B model: serve against llama-server, 1 and 4 streams, one round."""
+    """bench/serve_bench.py on the 8B model: serve against llama-server, 1, 4 and 8 streams, one round."""
     path = model_paths(args)[SYNTHETIC_8B]
     out = Path("/tmp/device-check-serve.json")
     subprocess.run([sys.executable, str(HERE / "serve_bench.py"), "--model", str(path), "--llama-server",
-                    str(DEVICE_BUILD / "bin" / "llama-server"), "--streams", "1,4", "--concurrency-only",
+                    str(llama_tool("llama-server")), "--streams", "1,4,8", "--concurrency-only",
                     "--rounds", "1", "--n-predict", "64", "--out", str(out)], check=True)
     return {"status": "report", "serve_bench": json.loads(out.read_text())}
 
@@ -588,7 +728,7 @@ def step_bigbatch(args: argparse.Namespace) -> dict[str, Any]:
     offload: the weights are copied over for it) or where the weights are; decodes (1 row) stay on the CPU
     either way. Ours (load_model's op_offload) and llama-bench (-nopo), pp512 and tg128, both ways."""
     path = model_paths(args)[SYNTHETIC_8B]
-    bench = DEVICE_BUILD / "bin" / "llama-bench"
+    bench = llama_tool("llama-bench")
     layers = len(gpu_layout(Path(path), None)[0].layers)
     results: dict[str, Any] = {"model": SYNTHETIC_8B, "ngl": layers // 2, "cases": {}}
     for case, offload in (("offload", True), ("no_offload", False)):
@@ -684,6 +824,14 @@ def summary(report: dict[str, Any]) -> str:
         elif name == "speed" and "cases" in result:
             note = "; ".join(f"{c}: " + ", ".join(f"{k} {r['ours'][k]:.0f} vs {r['llama_bench'].get(k, 0):.0f} t/s"
                                                    for k in ("pp512", "tg128")) for c, r in result["cases"].items())
+        elif name == "memory" and "cases" in result:
+            note = "; ".join(f"{c}: {r['status']}" + (f", measured/estimate {r['measured_over_estimate']}"
+                                                     if "measured_over_estimate" in r else "")
+                             for c, r in result["cases"].items())
+        elif name == "layout" and "cases" in result:
+            note = "; ".join(f"{c}: {r['status']} {r['offloaded']}/{r['total']}" + (
+                f" (llama.cpp: {r['llama_cpp_fit']})" if "llama_cpp_fit" in r else "")
+                for c, r in result["cases"].items())
         elif "cases" in result:
             note = "; ".join(f"{c}: {r.get('status', '')}" for c, r in result["cases"].items())
         lines.append(f"| {name} | {result['status']} | {result.get('seconds', '')} | {note} |")
@@ -693,7 +841,7 @@ def summary(report: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", nargs="?", choices=["run", "pack"], default="run")
+    parser.add_argument("command", nargs="?", choices=["run", "pack", "prebuild"], default="run")
     parser.add_argument("--cpu", action="store_true", help="no CUDA build: the steps that need none, here")
     parser.add_argument("--quick", action="store_true", help="no builds, SmolLM2 only, fewest steps (CI)")
     parser.add_argument("--out", type=Path, help="results folder (default: $OUT, else bench/out/device-check)")
@@ -705,11 +853,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-wheels", action="store_true", help="pack: leave out the wheels")
     parser.add_argument("--real-layers", type=int, default=2,
                         help="pack: SmolLM2's first N layers as a model that travels (default 2, ~35 MB; 0: none)")
+    parser.add_argument("--arch", default="90", help="prebuild: the CUDA architecture (default 90: H100, H200)")
     parser.add_argument("--step", choices=list(STEP_FUNCTIONS), help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.command == "pack":
         return pack(wheels=not args.no_wheels, real_layers=args.real_layers)
+    if args.command == "prebuild":
+        return prebuild(args.arch, args.jobs)
+    if not args.cpu and "DEVICE_CHECK_LIBRARIES" not in os.environ:  # the loader reads its path at start only
+        folders = cuda_library_dirs()
+        os.environ["DEVICE_CHECK_LIBRARIES"] = os.pathsep.join(folders)
+        os.environ["LD_LIBRARY_PATH"] = os.pathsep.join([*folders, os.environ.get("LD_LIBRARY_PATH", "")])
+        os.execv(sys.executable, [sys.executable, *sys.argv])
     out_env = os.environ.get("OUT")  # the device tool's folder; outside it unset
     out = args.out or (Path(out_env) if out_env else HERE / "out" / "device-check")
     out.mkdir(parents=True, exist_ok=True)
@@ -726,6 +882,7 @@ def main(argv: list[str] | None = None) -> int:
         gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
                              capture_output=True, text=True) if shutil.which("nvidia-smi") else None
         report["machine"] += f"; GPU: {gpu.stdout.strip() if gpu else 'none (no nvidia-smi)'}"  # named in results
+        report["cuda_library_dirs"] = os.environ.get("DEVICE_CHECK_LIBRARIES", "")
         report["steps"]["build"] = build_step(args, out)
         if report["steps"]["build"]["status"] != "pass":
             return finish(report, out, started)
@@ -743,10 +900,11 @@ def build_step(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     try:
         if PACK.joinpath("wheels").exists():
             install_pack()
+        tree = source_tree()  # first: the model's writer reads its vocabulary from the tree
         writer = subprocess.Popen([sys.executable, "-c", "import sys; sys.path[:0]=['bench', '.']; import bench; "
                                    f"bench.ensure_model({SYNTHETIC_8B!r})"], cwd=ROOT,
                                   stdout=subprocess.DEVNULL, stderr=open(out / "build.log", "a"))
-        result = {"status": "pass", **build(args.jobs, out / "build.log", min(BUILD_SECONDS, args.budget))}
+        result = {"status": "pass", **build(tree, args.jobs, out / "build.log", min(BUILD_SECONDS, args.budget))}
     except subprocess.TimeoutExpired:
         result = {"status": "timeout", "reason": f"over {min(BUILD_SECONDS, args.budget)} s: run again on the warm "
                   "machine, ninja goes on where it stopped (build/device-cuda stays there)"}
@@ -761,6 +919,8 @@ def build_step(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         writer.wait()
         for partial in (HERE / "out").glob(f"{SYNTHETIC_8B}-*.gguf"):
             partial.unlink()
+    if writer.returncode:  # the steps on the 8B model will say they lack it; the log says why
+        result["model_writer"] = f"exit {writer.returncode}: see build.log"
     return result
 
 

@@ -55,3 +55,36 @@ def test_layout_loop_on_a_simulated_gpu(report: dict) -> None:
     assert cases["partial"]["offloaded"] == 4
     too_big = cases["context_too_big"]
     assert too_big["fits"] and 0 < too_big["offloaded"] < too_big["total"]  # partial offload
+
+
+def prebuilt_archive(folder: Path, arch: str, listing: str) -> Path:
+    """A prebuild archive whose llama-bench lists `listing` as its devices."""
+    import io
+    import tarfile
+
+    archive = folder / "cuda-build.tar.xz"
+    with tarfile.open(archive, "w:xz") as out:
+        for name, text, mode in (("prebuilt.json", json.dumps({"arch": arch}), 0o644),
+                                 ("llama-bench", f"#!/bin/sh\nprintf '{listing}'\n", 0o755)):
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = len(text), mode
+            out.addfile(info, io.BytesIO(text.encode()))
+    return archive
+
+
+@pytest.mark.parametrize(("arch", "listing", "used"), [
+    ("90", "Available devices:\\n  CUDA0: NVIDIA H200 (143000 MiB, 142000 MiB free)\\n", True),
+    ("90", "Available devices:\\n", False),  # built, but no GPU it can use here
+    ("80", "Available devices:\\n  CUDA0: NVIDIA H200 (143000 MiB, 142000 MiB free)\\n", False),  # another arch
+])
+def test_prebuilt_binaries_are_used_only_where_they_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        arch: str, listing: str, used: bool) -> None:
+    sys.path.insert(0, str(ROOT / "bench"))
+    import device_check
+
+    monkeypatch.setattr(device_check, "PREBUILT", prebuilt_archive(tmp_path, arch, listing))
+    bin_dir = tmp_path / "device-cuda" / "bin"
+    with (tmp_path / "build.log").open("w") as log:
+        assert device_check.unpack_prebuilt("90", bin_dir, log) is used
+    assert bin_dir.joinpath("llama-bench").exists() is used  # set aside where unused: the run builds instead
+    assert "llama-bench --list-devices" in (tmp_path / "build.log").read_text()
