@@ -70,6 +70,7 @@ BUILD_TARGETS = ("ggml", "llama", "llama-bench", "llama-server", "llama-fit-para
 SOURCE_PARTS = ("CMakeLists.txt", "cmake", "common", "ggml", "include", "src", "tools", "vendor", "licenses", "app",
                 "LICENSE", "build-xcframework.sh",
                 "models/ggml-vocab-llama-bpe.gguf")  # the synthetic 8B model's vocabulary (tests/synthetic)
+TRAVEL_LIMIT = 64 << 20  # the device tool's working tree, carried paths included
 HEADER_PARTS = ("ggml/include", "ggml/src", "models/ggml-vocab-llama-bpe.gguf")
 WHEELS = ("cffi==2.1.1", "pycparser==3.12", "gguf==0.19.0", "llguidance==1.9.1", "diskcache==5.6.3")  # as in .venv
 CPU_TOLERANCE = 1e-4  # the parity tests' bound on the CPU: same kernels, same batches
@@ -178,16 +179,22 @@ def pack(wheels: bool, real_layers: int) -> int:
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
                         "--python-version", "3.12", "--implementation", "cp", *platforms,
                         "-d", str(PACK / "wheels"), *WHEELS], check=True)
-    smollm2 = real_model_folder(None) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if real_layers and smollm2.exists():
-        (PACK / "models").mkdir(exist_ok=True)
-        truncate_gguf(smollm2, PACK / "models" / truncated_name(real_layers), real_layers)
-    size = sum(f.stat().st_size for f in PACK.rglob("*") if f.is_file())
     listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True,
                             text=True).stdout.split("\0")
     tree = sum((ROOT / f).stat().st_size for f in listed if f and (ROOT / f).is_file())
+    shutil.rmtree(PACK / "models", ignore_errors=True)
+    smollm2 = real_model_folder(None) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if real_layers and smollm2.exists():
+        (PACK / "models").mkdir()
+        cut = PACK / "models" / truncated_name(real_layers)
+        truncate_gguf(smollm2, cut, real_layers)
+        if tree + sum(f.stat().st_size for f in PACK.rglob("*") if f.is_file()) > TRAVEL_LIMIT:
+            log(f"{cut.name} left out: it would not fit beside the rest (stories260K, in the tree, has real "
+                "weights too)")
+            shutil.rmtree(PACK / "models")
+    size = sum(f.stat().st_size for f in PACK.rglob("*") if f.is_file())
     print(json.dumps({"pack": str(PACK), "bytes": size, "tree_bytes": tree, "travels": size + tree,
-                      "limit": 64 << 20}))
+                      "limit": TRAVEL_LIMIT}))
     return 0
 
 
@@ -359,18 +366,21 @@ def build(tree: Path, jobs: int, log_path: Path, seconds: float) -> dict[str, An
 
 
 def cuda_library_dirs() -> list[str]:
-    """Folders holding the CUDA runtime and cuBLAS libraries the build links, where the loader's cache lacks
-    them (an image may keep them in the toolkit's folder or in Python's nvidia-* packages)."""
+    """Folders holding the CUDA runtime and cuBLAS libraries of the toolkit's major version (the one the build
+    links), where the loader's cache lacks them: an image may keep them in the toolkit's folder or in
+    Python's nvidia-* packages."""
+    nvcc = subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout if shutil.which("nvcc") else ""
+    major = nvcc.split("release ")[1].split(".")[0] if "release " in nvcc else ""
     cached = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
     found: list[str] = []
     patterns = ["/usr/local/cuda*/lib64", "/usr/local/cuda*/targets/*/lib",
                 *(f"{site}/nvidia/*/lib" for site in sys.path if site.endswith("-packages"))]
-    for library in ("libcudart.so.", "libcublas.so.", "libcublasLt.so."):
+    for library in (f"libcudart.so.{major}", f"libcublas.so.{major}", f"libcublasLt.so.{major}"):
         if library in cached:
             continue
         for folder in sorted({f for p in patterns for f in glob.glob(p)}):
-            if glob.glob(f"{folder}/{library}*") and folder not in found:
-                found.append(folder)
+            if glob.glob(f"{folder}/{library}*"):
+                found += [folder] if folder not in found else []
                 break
     return found
 
@@ -392,6 +402,7 @@ def model_paths(args: argparse.Namespace) -> dict[str, Path | str]:
         truncated = sorted((PACK / "models").glob(truncated_name(0).replace("-0-", "-*-")))
         if name == REAL[0] and isinstance(found[name], str) and truncated:  # pack's cut of it, real weights
             found[name + " (" + truncated[0].name.split(".")[-2] + ")"] = truncated[0]
+    found["stories260K"] = ROOT / "tests" / "data" / "stories260K.gguf"  # real weights, 1 MB: always travels
     if not args.quick:
         from bench import ensure_model
 
