@@ -301,7 +301,10 @@ def prebuild(arch: str, jobs: int) -> int:
         stub.with_suffix(".c").write_text("")
         subprocess.run(["cc", "-shared", "-o", str(stub), "-Wl,-soname,libcuda.so.1", str(stub.with_suffix(".c"))],
                        check=True)
-        options += [f"-DCUDA_cuda_driver_LIBRARY={stub}", "-DCMAKE_EXE_LINKER_FLAGS=-Wl,--allow-shlib-undefined"]
+        # --no-as-needed: the stub defines nothing, so the linker would otherwise drop libcuda.so.1 from
+        # libggml-cuda's needs, and its driver calls would find no symbol there ("undefined symbol: cuDeviceGet")
+        options += [f"-DCUDA_cuda_driver_LIBRARY={stub}", "-DCMAKE_EXE_LINKER_FLAGS=-Wl,--allow-shlib-undefined",
+                    "-DCMAKE_SHARED_LINKER_FLAGS=-Wl,--no-as-needed"]
     log(f"building for sm_{arch} on {jobs} cores (log: {build_dir / 'build.log'})")
     build_dir.mkdir(parents=True, exist_ok=True)
     with (build_dir / "build.log").open("a") as out:
@@ -906,32 +909,28 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build_step(args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    """The CUDA build, with the synthetic 8B model written beside it (its own process, ~40 s)."""
-    writer = None
+    """The CUDA build (or prebuild's binaries), then the synthetic 8B model written (its own process, ~20 s:
+    its writer imports the engine, so it needs the bindings the build compiles)."""
     try:
         if PACK.joinpath("wheels").exists():
             install_pack()
-        tree = source_tree()  # first: the model's writer reads its vocabulary from the tree
-        writer = subprocess.Popen([sys.executable, "-c", "import sys; sys.path[:0]=['bench', '.']; import bench; "
-                                   f"bench.ensure_model({SYNTHETIC_8B!r})"], cwd=ROOT,
-                                  stdout=subprocess.DEVNULL, stderr=open(out / "build.log", "a"))
+        tree = source_tree()  # also where the model's writer finds its vocabulary
         result = {"status": "pass", **build(tree, args.jobs, out / "build.log", min(BUILD_SECONDS, args.budget))}
     except subprocess.TimeoutExpired:
-        result = {"status": "timeout", "reason": f"over {min(BUILD_SECONDS, args.budget)} s: run again on the warm "
-                  "machine, ninja goes on where it stopped (build/device-cuda stays there)"}
+        return {"status": "timeout", "reason": f"over {min(BUILD_SECONDS, args.budget)} s: run again on the warm "
+                "machine, ninja goes on where it stopped (build/device-cuda stays there)"}
     except Exception as err:  # the build's log says why; the steps need the build
-        result = {"status": "error", "reason": f"{type(err).__name__}: {err}"[:600]}
-    if writer is None:
-        return result
-    try:
-        writer.wait(timeout=max(1, args.budget - BUILD_SECONDS - 60))
-    except subprocess.TimeoutExpired:  # a half-written model must not pass for a whole one in a rerun
-        writer.kill()
-        writer.wait()
-        for partial in (HERE / "out").glob(f"{SYNTHETIC_8B}-*.gguf"):
-            partial.unlink()
-    if writer.returncode:  # the steps on the 8B model will say they lack it; the log says why
-        result["model_writer"] = f"exit {writer.returncode}: see build.log"
+        return {"status": "error", "reason": f"{type(err).__name__}: {err}"[:600]}
+    with (out / "build.log").open("a") as log_file:
+        try:
+            code = run_bounded([sys.executable, "-c", "import sys; sys.path[:0]=['bench', '.']; import bench; "
+                                f"bench.ensure_model({SYNTHETIC_8B!r})"], 120, log_file)
+        except subprocess.TimeoutExpired:  # a half-written model must not pass for a whole one in a rerun
+            code = "timeout"
+            for partial in (HERE / "out").glob(f"{SYNTHETIC_8B}-*.gguf"):
+                partial.unlink()
+    if code:  # the steps on the 8B model will say they lack it; the log says why
+        result["model_writer"] = f"exit {code}: see build.log"
     return result
 
 
