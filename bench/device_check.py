@@ -431,7 +431,7 @@ def gpu_layout(path: Path, count: int | None) -> list:
     gpus = gpu_devices()
     if not gpus:
         return []
-    layers = GGUFFile.open(path).config.block_count + 1  # the output layer counts as one, as Ollama's do
+    layers = GGUFFile.open(path).config.get_uint("block_count") + 1  # the output layer counts as one, as Ollama's
     count = layers if count is None else count
     return [GPULayers(gpus[0].device_id, list(range(layers - count, layers)))]
 
@@ -696,12 +696,12 @@ def step_speed(args: argparse.Namespace) -> dict[str, Any]:
         out = subprocess.run([str(bench), "-m", str(path), "-p", "512", "-n", "128", "-ngl", str(ngl), "-r", "1",
                               "-o", "json"], capture_output=True, text=True, timeout=45, check=True).stdout
         theirs = {("pp512" if r["n_prompt"] else "tg128"): r["avg_ts"] for r in json.loads(out)}
-        results["cases"][case] = {"ngl": ngl, "llama_bench": theirs, "ours": ours_speed(Path(path), ngl)}
+        results["cases"][case] = {"ngl": ngl, "llama_bench": theirs, "ours": ours_speed(Path(path), ngl, profile=True)}
     results["status"] = "report"
     return results
 
 
-def ours_speed(path: Path, ngl: int, op_offload: bool = True) -> dict[str, float]:
+def ours_speed(path: Path, ngl: int, op_offload: bool = True, profile: bool = False) -> dict[str, Any]:
     """tokens/s of one 512-token prompt batch and of 128 decodes, on the last `ngl` layers' GPU."""
     from ollama_engine.kvcache import Batch, cache_dtype
     from ollama_engine.models import load_model
@@ -722,9 +722,46 @@ def ours_speed(path: Path, ngl: int, op_offload: bool = True) -> dict[str, float
         started = time.perf_counter()
         for i in range(128):
             model.graphs.compute(Batch(positions=[512 + i], sequences=[0], outputs=[0], tokens=[tokens[i]]))
-        return {"pp512": round(pp, 1), "tg128": round(128 / (time.perf_counter() - started), 1)}
+        speeds = {"pp512": round(pp, 1), "tg128": round(128 / (time.perf_counter() - started), 1)}
+        return {**speeds, "decode_profile": decode_profile(model, tokens, 640)} if profile else speeds
     finally:
         model.close()
+
+
+def decode_profile(model: Any, tokens: list[int], position: int) -> dict[str, Any]:
+    """Where a decode step's time goes: the scheduler's splits and copies, Python's functions (cProfile over
+    16 steps, by own time) and ggml's ops by kind (one step, each op then computed and waited for alone)."""
+    import collections
+    import cProfile
+    import pstats
+
+    from ollama_engine import ggml
+    from ollama_engine.ggml.backend import NodeTimer
+    from ollama_engine.kvcache import Batch
+
+    def step(i: int) -> None:
+        model.graphs.compute(Batch(positions=[position + i], sequences=[0], outputs=[0], tokens=[tokens[i]]))
+
+    step(0)
+    scheduler = model.backend.scheduler
+    splits, copies = scheduler.splits()
+    profiler = cProfile.Profile()
+    started = time.perf_counter()
+    profiler.runcall(lambda: [step(i) for i in range(1, 17)])
+    wall = (time.perf_counter() - started) / 16
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive, own, cumulative, callers)
+    top = sorted(stats.items(), key=lambda item: -item[1][2])[:12]
+    python = [{"function": f"{Path(f).name}:{line} {name}", "calls": v[0], "own_ms_per_step": round(1e3 * v[2] / 16, 3)}
+              for (f, line, name), v in top]
+    ops: collections.Counter[str] = collections.Counter()
+    timer = NodeTimer(lambda node, seconds: ops.update({ggml.node_kind(node): seconds}))
+    scheduler.set_eval_callback(timer)
+    try:
+        step(17)
+    finally:
+        scheduler.set_eval_callback(None)
+    return {"splits": splits, "copies": copies, "ms_per_step_profiled": round(1e3 * wall, 3), "python": python,
+            "ops_ms_one_step_synced": {k: round(1e3 * v, 3) for k, v in ops.most_common(12)}}
 
 
 def step_serve(args: argparse.Namespace) -> dict[str, Any]:

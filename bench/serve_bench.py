@@ -368,6 +368,9 @@ def main() -> int:
         url = stack.enter_context(serve_process(store.root, **env))
         generate = serve_generate(url, "bench", num_ctx, args.threads)
         generate(prompt_text(997, 8), 4)  # loads the model: its runner is then serve's child
+        with urllib.request.urlopen(url + "/api/ps", timeout=10) as ps:  # where it loaded (size_vram)
+            results["serve_loaded"] = [{k: m.get(k) for k in ("size", "size_vram", "context_length")}
+                                       for m in json.loads(ps.read())["models"]]
         servers = {"serve": (generate, serve_pids())}
         if args.runner:  # the runner alone, loaded as serve's scheduler loads it, driven over Ollama's protocol
             worker = WorkerArgs(engine="runner", task="single", model=str(args.model), prompts={}, threads=args.threads,

@@ -470,6 +470,10 @@ class Scheduler:
     def reset(self) -> None:
         lib.ggml_backend_sched_reset(self.handle)
 
+    def splits(self) -> tuple[int, int]:
+        """The last graph's splits (runs of nodes on one backend) and the tensor copies between them."""
+        return lib.ggml_backend_sched_get_n_splits(self.handle), lib.ggml_backend_sched_get_n_copies(self.handle)
+
     def set_eval_callback(self, callback: EvalCallback | None) -> None:
         """Hand computed nodes to `callback` (a NodeTimer, a TensorCapture); None: whole graphs again."""
         self._eval_callback = callback  # the callback lives as long as ggml may call it
