@@ -98,6 +98,7 @@ STEPS = (
     Step("memory", 70, 120, False, True),
     Step("layout", 40, 120, False, True),
     Step("speed", 100, 100, True, False),
+    Step("runner", 60, 120, False, False),
     Step("serve", 100, 100, True, False),
     Step("bigbatch", 120, 120, True, False),
 )
@@ -585,8 +586,6 @@ def nvml_total() -> int | None:
 
 def step_memory(args: argparse.Namespace) -> dict[str, Any]:
     """fit == alloc (tests/memory_checks.py), and the estimate for GPU 0 against NVML after load."""
-    from memory_checks import fitted_then_allocated
-
     from ollama_engine.runner.allocate import LoadParams
 
     name, path = sized_model(args)
@@ -597,26 +596,59 @@ def step_memory(args: argparse.Namespace) -> dict[str, Any]:
             ("full", full), ("partial", gpu_layout(path, len(full[0].layers) // 2) if full else [])]):
         before = nvml_used()
         params = LoadParams(parallel=2, kv_size=2048, gpu_layers=tuple(layers))
-        with fitted_then_allocated(str(path), params) as loaded:  # asserts fit == alloc
-            estimate = sum(g.size() for g in loaded.memory.gpus)
-            after = nvml_used()
-            entry = {"layers_on_gpu": sum(len(g.layers) for g in layers), "fit_equals_alloc": True,
-                     "gpu_estimate": estimate, "cpu_estimate": loaded.memory.cpu.size(),
-                     "gpu_estimate_mib": {kind: round(sum(sum(getattr(g, kind)) if kind != "graph" else g.graph
-                                                          for g in loaded.memory.gpus) / 2**20, 1)
-                                          for kind in ("weights", "cache", "graph")}}
-            if layers and llama_tool("llama-fit-params").exists():  # llama.cpp's estimate of the same load
-                entry["llama_cpp_estimate_mib"] = llama_fit_print(path, entry["layers_on_gpu"], params)
-            if before is not None and after is not None and layers:
-                entry["gpu_measured"] = after - before
-                entry["measured_over_estimate"] = round((after - before) / max(estimate, 1), 3)
-                # the measurement holds the CUDA context (~0.5 GiB) beside the estimate; more is a miss
-                entry["status"] = "pass" if estimate <= after - before <= estimate + (768 << 20) else "fail"
-            else:
-                entry["status"] = "pass"
+        try:
+            entry = memory_case(path, params, layers, before)
+        except AssertionError:  # fit != alloc: say where
+            entry = {"status": "fail", "fit_equals_alloc": False, "differences": fit_alloc_differences(path, params)}
         ok &= entry["status"] == "pass"
         cases[case] = entry
     return {"model": name, "cases": cases, "status": "pass" if ok else "fail"}
+
+
+def fit_alloc_differences(path: Path, params: Any) -> list[str]:
+    """Where the runner's memory report after fit differs from the one after alloc (device, kind, layer)."""
+    from ollama_engine.runner.allocate import open_model
+
+    reports = []
+    for allocate in (False, True):
+        model = open_model(str(path), params, allocate=allocate)
+        reports.append(model.memory.to_json())
+        model.close()
+
+    def leaves(value: Any, where: str) -> dict[str, Any]:
+        if isinstance(value, dict):
+            return {k: v for key, item in value.items() for k, v in leaves(item, f"{where}.{key}").items()}
+        if isinstance(value, list):
+            return {k: v for i, item in enumerate(value) for k, v in leaves(item, f"{where}[{i}]").items()}
+        return {where: value}
+
+    fit, alloc = (leaves(r, "") for r in reports)
+    return [f"{k}: fit {fit.get(k)} alloc {alloc.get(k)}" for k in sorted(set(fit) | set(alloc))
+            if fit.get(k) != alloc.get(k)][:20]
+
+
+def memory_case(path: Path, params: Any, layers: list, before: int | None) -> dict[str, Any]:
+    """fit == alloc for one load (asserted), the estimate beside llama.cpp's and beside NVML's measure."""
+    from memory_checks import fitted_then_allocated
+
+    with fitted_then_allocated(str(path), params) as loaded:  # asserts fit == alloc
+        estimate = sum(g.size() for g in loaded.memory.gpus)
+        after = nvml_used()
+        entry = {"layers_on_gpu": sum(len(g.layers) for g in layers), "fit_equals_alloc": True,
+                 "gpu_estimate": estimate, "cpu_estimate": loaded.memory.cpu.size(),
+                 "gpu_estimate_mib": {kind: round(sum(sum(getattr(g, kind)) if kind != "graph" else g.graph
+                                                      for g in loaded.memory.gpus) / 2**20, 1)
+                                      for kind in ("weights", "cache", "graph")}}
+        if layers and llama_tool("llama-fit-params").exists():  # llama.cpp's estimate of the same load
+            entry["llama_cpp_estimate_mib"] = llama_fit_print(path, entry["layers_on_gpu"], params)
+        if before is not None and after is not None and layers:
+            entry["gpu_measured"] = after - before
+            entry["measured_over_estimate"] = round((after - before) / max(estimate, 1), 3)
+            # the measurement holds the CUDA context (~0.5 GiB) beside the estimate; more is a miss
+            entry["status"] = "pass" if estimate <= after - before <= estimate + (768 << 20) else "fail"
+        else:
+            entry["status"] = "pass"
+    return entry
 
 
 def llama_tool(name: str) -> Path:
@@ -764,6 +796,81 @@ def decode_profile(model: Any, tokens: list[int], position: int) -> dict[str, An
             "ops_ms_one_step_synced": {k: round(1e3 * v, 3) for k, v in ops.most_common(12)}}
 
 
+def step_runner(args: argparse.Namespace) -> dict[str, Any]:
+    """The runner's own loop (runner/loop.py) in this process, without HTTP: greedy streams of 64 tokens at
+    1 and 4 streams, the graphs it built, and where its threads spent their time (stack samples every ms):
+    what serve's runner costs beyond a bare decode step (the speed step's)."""
+    import collections
+    import threading
+
+    from ollama_engine.models import graphs
+    from ollama_engine.runner.allocate import LoadParams, open_model
+    from ollama_engine.runner.loop import Runner
+    from ollama_engine.runner.sequence import SequenceOptions
+    from ollama_engine.sample import Sampler
+
+    name, path = sized_model(args)
+    built: collections.Counter[str] = collections.Counter()
+    build = graphs.Graph.__init__
+
+    def counted(graph: Any, model: Any, key: Any, batch: Any) -> None:
+        built[f"{len(batch)} rows"] += 1
+        build(graph, model, key, batch)
+
+    graphs.Graph.__init__ = counted
+    layers = tuple(gpu_layout(path, None))
+    loaded = open_model(str(path), LoadParams(parallel=4, batch_size=512, kv_size=4096, gpu_layers=layers,
+                                              num_threads=threads(args) or 0), allocate=True)
+    loaded.model.backend.load()
+    errors: list[BaseException] = []
+    runner = Runner(loaded, errors.append)
+    runner.start()
+    samples: collections.Counter[str] = collections.Counter()
+    sampling = threading.Event()
+
+    def sample() -> None:  # what each of the runner's threads is doing, every millisecond
+        names = {t.ident: t.name for t in threading.enumerate()}
+        while sampling.is_set():
+            for ident, frame in sys._current_frames().items():
+                if ident == threading.get_ident() or names.get(ident) == "MainThread":
+                    continue
+                stack = []
+                while frame is not None and len(stack) < 3:
+                    stack.append(f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} {frame.f_code.co_name}")
+                    frame = frame.f_back
+                samples[f"{names.get(ident, ident)}: " + " < ".join(stack)] += 1
+            time.sleep(0.001)
+
+    def streams(count: int) -> float:
+        done = [threading.Event() for _ in range(count)]
+        started = time.perf_counter()
+        for i, event in enumerate(done):
+            seq = runner.new_sequence(f"Story {i}: once upon a time, in a land far away, there lived",
+                                      SequenceOptions(sampler=Sampler(temperature=0), num_predict=64))
+            runner.add(seq, lambda piece, event=event: event.set() if piece is None else None)
+        for event in done:
+            event.wait(60)
+        return round(64 * count / (time.perf_counter() - started), 1)
+
+    try:
+        streams(1)  # warm-up: the first graphs of each shape
+        built.clear()
+        sampling.set()
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        rates = {"1": streams(1), "4": streams(4)}
+        sampling.clear()
+        sampler.join()
+    finally:
+        runner.close()
+        loaded.close()
+        graphs.Graph.__init__ = build
+    total = sum(samples.values()) or 1
+    return {"status": "report" if not errors else "error", "model": name, "tokens_per_s": rates,
+            "graphs_built": dict(built), "errors": [repr(e) for e in errors],
+            "thread_samples": {k: round(v / total, 3) for k, v in samples.most_common(15)}}
+
+
 def step_serve(args: argparse.Namespace) -> dict[str, Any]:
     """bench/serve_bench.py on the 8B model: serve against llama-server, 1, 4 and 8 streams, one round."""
     path = model_paths(args)[SYNTHETIC_8B]
@@ -794,7 +901,7 @@ def step_bigbatch(args: argparse.Namespace) -> dict[str, Any]:
 
 STEP_FUNCTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "parity": step_parity, "memory": step_memory, "layout": step_layout, "speed": step_speed,
-    "serve": step_serve, "bigbatch": step_bigbatch,
+    "runner": step_runner, "serve": step_serve, "bigbatch": step_bigbatch,
 }
 
 
@@ -823,6 +930,8 @@ def run_step(step: Step, args: argparse.Namespace, out: Path, left: float) -> di
         return {"status": "skip", "reason": "needs the CUDA build (llama-bench / llama-server on a GPU)"}
     if args.quick and not step.quick:
         return {"status": "skip", "reason": "not in --quick"}
+    if args.only and step.name not in args.only.split(","):
+        return {"status": "skip", "reason": "not in --only"}
     bound = min(step.cpu_seconds if args.cpu and not args.quick else step.seconds, left)
     if bound < 10:
         return {"status": "skip", "reason": f"the run's --budget of {args.budget} s is spent"}
@@ -831,6 +940,7 @@ def run_step(step: Step, args: argparse.Namespace, out: Path, left: float) -> di
     command = [sys.executable, __file__, "--step", step.name, "--result", str(result_file), "--out", str(out)]
     command += [flag for flag, on in (("--cpu", args.cpu), ("--quick", args.quick)) if on]
     command += ["--models", str(args.models)] if args.models else []
+    command += ["--only", args.only] if args.only else []
     started = time.monotonic()
     with (out / "steps.log").open("a") as steps_log:
         steps_log.write(f"==== {step.name}\n")
@@ -904,6 +1014,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-wheels", action="store_true", help="pack: leave out the wheels")
     parser.add_argument("--real-layers", type=int, default=2,
                         help="pack: SmolLM2's first N layers as a model that travels (default 2, ~35 MB; 0: none)")
+    parser.add_argument("--only", help="the steps to run, comma-separated (default: all)")
     parser.add_argument("--arch", default="90", help="prebuild: the CUDA architecture (default 90: H100, H200)")
     parser.add_argument("--step", choices=list(STEP_FUNCTIONS), help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
