@@ -72,7 +72,8 @@ SOURCE_PARTS = ("CMakeLists.txt", "cmake", "common", "ggml", "include", "src", "
                 "models/ggml-vocab-llama-bpe.gguf")  # the synthetic 8B model's vocabulary (tests/synthetic)
 TRAVEL_LIMIT = 64 << 20  # the device tool's working tree, carried paths included
 HEADER_PARTS = ("ggml/include", "ggml/src", "models/ggml-vocab-llama-bpe.gguf")
-WHEELS = ("cffi==2.1.1", "pycparser==3.12", "gguf==0.19.0", "llguidance==1.9.1", "diskcache==5.6.3")  # as in .venv
+WHEELS = ("cffi==2.1.1", "pycparser==3.12", "gguf==0.19.0", "llguidance==1.9.1", "diskcache==5.6.3",  # as in .venv
+          "py-spy==0.4.3")  # the serve step's profiler
 CPU_TOLERANCE = 1e-4  # the parity tests' bound on the CPU: same kernels, same batches
 GPU_TOLERANCE = 2e-3  # on CUDA the same graph may be split or reduced differently by batch size
 REAL = ("smollm2-135m-instruct", "gemma-3-270m")
@@ -872,13 +873,40 @@ def step_runner(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def step_serve(args: argparse.Namespace) -> dict[str, Any]:
-    """bench/serve_bench.py on the 8B model: serve against llama-server, 1, 4 and 8 streams, one round."""
+    """bench/serve_bench.py on the 8B model: serve, its runner alone and llama-server, 1, 4 and 8 streams, one
+    round; under py-spy where it travelled (every Python process's busy stacks, to <out>/serve-stacks.txt)."""
     path = model_paths(args)[SYNTHETIC_8B]
     out = Path("/tmp/device-check-serve.json")
-    subprocess.run([sys.executable, str(HERE / "serve_bench.py"), "--model", str(path), "--llama-server",
-                    str(llama_tool("llama-server")), "--streams", "1,4,8", "--concurrency-only",
-                    "--rounds", "1", "--n-predict", "64", "--out", str(out)], check=True)
-    return {"status": "report", "serve_bench": json.loads(out.read_text())}
+    command = [sys.executable, str(HERE / "serve_bench.py"), "--model", str(path), "--llama-server",
+               str(llama_tool("llama-server")), "--streams", "1,4,8", "--concurrency-only", "--runner",
+               "--rounds", "1", "--n-predict", "64", "--out", str(out)]
+    spy = Path("/tmp/device-check-site/bin/py-spy")
+    stacks = args.out / "serve-stacks.txt"
+    if spy.exists():
+        command = [str(spy), "record", "--subprocesses", "--threads", "-r", "200", "-f", "raw", "-o", str(stacks),
+                   "--", *command]
+    subprocess.run(command, check=True)
+    result = {"status": "report", "serve_bench": json.loads(out.read_text())}
+    if stacks.exists():
+        result["busiest_stacks"] = busiest_stacks(stacks)
+    return result
+
+
+def busiest_stacks(raw: Path, count: int = 20) -> dict[str, int]:
+    """py-spy's raw samples by process, thread and innermost 4 frames: where the busy threads were."""
+    import collections
+
+    totals: collections.Counter[str] = collections.Counter()
+    for line in raw.read_text().splitlines():
+        stack, _, samples = line.rpartition(" ")
+        frames = stack.split(";")
+        commands = [f.partition(":")[2].strip('"').split() for f in frames if f.startswith("process ")]
+        words = commands[-1] if commands else ["?"]  # the innermost process: serve_bench, serve, a runner
+        process = next((w for w in ("serve", "runner") if w in words), Path(words[min(1, len(words) - 1)]).name)
+        thread = next((f for f in frames if f.startswith("thread ")), "?")
+        inner = [f for f in frames if not f.startswith(("process ", "thread "))][-4:]
+        totals[f"{process} {thread}: " + " < ".join(reversed(inner))] += int(samples) if samples.isdigit() else 0
+    return dict(totals.most_common(count))
 
 
 def step_bigbatch(args: argparse.Namespace) -> dict[str, Any]:

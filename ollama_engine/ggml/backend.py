@@ -178,6 +178,12 @@ def alloc_buffer(buft, size: int):
     return None if buffer == NULL else buffer
 
 
+def host_buffer_type(dev):
+    """The device's buffer type in pinned host memory (CUDA_Host, Vulkan_Host), or None where it has none."""
+    buft = lib.ggml_backend_dev_host_buffer_type(dev)
+    return None if buft == NULL else buft
+
+
 def dummy_buffer(buft):
     """A zero-sized buffer of the type: tensors that point at it are 'allocated' for the scheduler."""
     return lib.ggml_backend_buft_alloc_buffer(buft, 0)
@@ -212,6 +218,7 @@ class MappedFile:
         if self.buffer == NULL:
             self.close()
             raise MemoryError("ggml could not make a buffer of a mapped file")
+        mark_weights(self.buffer)  # the scheduler runs ops where their weights are, or offloads big batches
 
     def place(self, tensor, file_offset: int) -> None:
         """Point a tensor at its bytes in the file (its data offset in the GGUF)."""
