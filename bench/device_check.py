@@ -599,8 +599,9 @@ def step_memory(args: argparse.Namespace) -> dict[str, Any]:
         params = LoadParams(parallel=2, kv_size=2048, gpu_layers=tuple(layers))
         try:
             entry = memory_case(path, params, layers, before)
-        except AssertionError:  # fit != alloc: say where
-            entry = {"status": "fail", "fit_equals_alloc": False, "differences": fit_alloc_differences(path, params)}
+        except AssertionError as err:  # fit != alloc, or the buffers != the report: say where
+            entry = {"status": "fail", "fit_equals_alloc": False, "assertion": str(err),
+                     "differences": fit_alloc_differences(path, params)}
         ok &= entry["status"] == "pass"
         cases[case] = entry
     return {"model": name, "cases": cases, "status": "pass" if ok else "fail"}
@@ -901,7 +902,7 @@ def busiest_stacks(raw: Path, count: int = 20) -> dict[str, int]:
         stack, _, samples = line.rpartition(" ")
         frames = stack.split(";")
         commands = [f.partition(":")[2].strip('"').split() for f in frames if f.startswith("process ")]
-        words = commands[-1] if commands else ["?"]  # the innermost process: serve_bench, serve, a runner
+        words = commands[-1] if commands and commands[-1] else ["?"]  # the innermost: serve_bench, serve, a runner
         process = next((w for w in ("serve", "runner") if w in words), Path(words[min(1, len(words) - 1)]).name)
         thread = next((f for f in frames if f.startswith("thread ")), "?")
         inner = [f for f in frames if not f.startswith(("process ", "thread "))][-4:]

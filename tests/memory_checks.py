@@ -20,12 +20,13 @@ def fitted_then_allocated(path: str, params: LoadParams) -> Iterator[LoadedModel
     fit.close()
     loaded = open_model(path, params, allocate=True)
     try:
-        assert loaded.memory.to_json() == report
+        assert loaded.memory.to_json() == report, "alloc's report differs from fit's"
         before = loaded.model.backend.allocated()["CPU"]
-        assert before == loaded.memory.input_weights + loaded.memory.cpu.size()
+        reported = loaded.memory.input_weights + loaded.memory.cpu.size()
+        assert before == reported, f"the CPU's buffers hold {before} bytes, the report {reported}"
         loaded.model.backend.load()
         yield loaded
-        assert loaded.model.backend.allocated()["CPU"] == before
-        assert loaded.memory.to_json() == report
+        assert loaded.model.backend.allocated()["CPU"] == before, "computing allocated more on the CPU"
+        assert loaded.memory.to_json() == report, "computing changed the report"
     finally:
         loaded.close()
