@@ -113,6 +113,7 @@ class Backend:
         self.repack_weights = repack_weights
         self.allocate = allocate
         self.use_mmap = use_mmap and allocate and model is not None
+        self.mapping_requested = use_mmap  # fit chooses buffer types as alloc, which maps
         self.flash_attention = flash_attention
         self.block_count = model.config.get_uint("block_count", 0) if model is not None else 0
         self.memory_limits = dict(memory_limits or {})
@@ -171,11 +172,12 @@ class Backend:
         return self.cpu
 
     def _cpu_weights_type(self):
-        """Where the CPU's weights are kept beside a GPU: its pinned host memory (llama.cpp's choice, and Ollama's).
+        """Where the CPU's weights are kept beside a GPU: its pinned host memory, or the mapped file where the
+        load maps it (llama.cpp's choice, and Ollama's), in ggml's plain layout either way.
 
         A batch of 32 rows or more on weights in host memory is sent to the GPU with them (op offload), which
         needs them in host memory of the plain layout: repacked, ggml computes such a batch on the CPU (a
-        partially offloaded 8B's 512-token prompt: ~100 tokens/s there against ~1500 on an H200). Pinned,
+        partially offloaded 8B's 512-token prompt: ~100 tokens/s there against ~1600 on an H200). Pinned,
         they cross to the GPU at its DMA speed. None (no GPU used, op offload off, or a GPU without pinned
         memory: RPC): the CPU's own buffer types, repacked where ggml has a faster layout."""
         if not self.op_offload:
@@ -263,7 +265,8 @@ class Backend:
     # ------------------------------------------------------------ weights
 
     def _weight_buffer_type(self, placement: Placement, info, extra: list):
-        """The buffer type a weight is stored in: the device's default, or on the CPU a repacked layout.
+        """The buffer type a weight is stored in: the device's default; on the CPU a repacked layout, or beside a
+        GPU the plain layout in its pinned memory or the mapped file (_cpu_weights_type).
 
         Repacked layouts (ggml's CPU_REPACK, e.g. Q4_0 in interleaved blocks on AVX2) have faster matmul
         kernels (for stacked experts' mul_mat_id too); llama.cpp uses them by default. Input tensors (token
@@ -271,8 +274,8 @@ class Backend:
         tensors (ggml's get_rows cannot read a repacked tensor).
         """
         device = placement.device
-        if device is self.cpu and self.cpu_weights_type is not None:
-            return self.cpu_weights_type
+        if device is self.cpu and self.cpu_weights_type is not None:  # beside a GPU: mapped, or pinned
+            return device.buffer_type if self.mapping_requested else self.cpu_weights_type
         by_row = info.name in self.tensor_groups.by_row
         if device is self.cpu and placement.layer is not None and len(info.shape) in (2, 3) and not by_row:
             for buft in extra:
