@@ -883,11 +883,13 @@ def step_serve(args: argparse.Namespace) -> dict[str, Any]:
                "--rounds", "1", "--n-predict", "64", "--out", str(out)]
     spy = Path("/tmp/device-check-site/bin/py-spy")
     stacks = args.out / "serve-stacks.txt"
-    if spy.exists():
-        command = [str(spy), "record", "--subprocesses", "--threads", "-r", "200", "-f", "raw", "-o", str(stacks),
-                   "--", *command]
-    subprocess.run(command, check=True)
-    result = {"status": "report", "serve_bench": json.loads(out.read_text())}
+    if spy.exists():  # --nonblocking: a paused process at every sample slowed a runner's start past its timeout
+        command = [str(spy), "record", "--subprocesses", "--threads", "--nonblocking", "-r", "100", "-f", "raw",
+                   "-o", str(stacks), "--", *command]
+    out.unlink(missing_ok=True)
+    code = subprocess.run(command).returncode
+    result = {"status": "report", "serve_bench": json.loads(out.read_text())} if out.exists() else {
+        "status": "error", "reason": f"serve_bench.py exit {code}: see steps.log"}
     if stacks.exists():
         result["busiest_stacks"] = busiest_stacks(stacks)
     return result

@@ -25,7 +25,7 @@ import pytest
 from ollama_engine.kvcache import Batch
 from ollama_engine.runner.allocate import LoadedModel, LoadParams, open_model
 from ollama_engine.runner.loop import Runner
-from ollama_engine.runner.sequence import Piece, SequenceOptions
+from ollama_engine.runner.sequence import DoneReason, Piece, SequenceOptions
 from ollama_engine.sample import Sampler
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through /proc")
@@ -234,3 +234,33 @@ def test_one_stream_after_four_shifted_streams(loaded):
     decode_lengths = {layout[0][2] for _, layout in first if layout[0][0] == 1}
     for slot in {seq for seq, _ in later}:
         assert {layout[0][2] for seq, layout in later if seq == slot and layout[0][0] == 1} <= decode_lengths
+
+
+@pytest.mark.parametrize("builder_late", [False, True])
+def test_a_full_slot_ends_alike_whichever_thread_comes_first(loaded, builder_late, monkeypatch):
+    """A sequence that may not shift ends when its slot is full, and the token sampled meanwhile is dropped
+    (Ollama's pipeline). Forming the next batch usually ends it before that token is sampled; when the batch
+    builder comes late (a busy machine) the sampler must drop the token itself: the same count either way."""
+    if builder_late:
+        form = Runner._form_batch
+
+        def late(self):
+            time.sleep(0.02)  # the compute thread samples first
+            return form(self)
+
+        monkeypatch.setattr(Runner, "_form_batch", late)
+    errors: list[BaseException] = []
+    runner = Runner(loaded, errors.append)
+    runner.start()
+    try:
+        seq = runner.new_sequence("Once upon a time there was a little girl",
+                                  SequenceOptions(sampler=Sampler(temperature=1.0, seed=3), num_predict=1000,
+                                                  shift=False))
+        done = threading.Event()
+        runner.add(seq, lambda piece: done.set() if piece is None else None)
+        assert done.wait(120)
+    finally:
+        runner.close()
+    assert not errors
+    assert seq.done_reason == DoneReason.LENGTH
+    assert seq.num_predicted == runner.num_ctx - seq.num_prompt_inputs

@@ -439,6 +439,11 @@ class Runner:
         Returns (sampled token, tokens to draft after it) for a sequence whose next inputs wait for this step."""
         slot, spec = seq.slot, seq.spec
         assert slot is not None
+        if not drafts and not seq.options.shift and len(slot.inputs) >= self.num_ctx:
+            # the token sampled here would have no cell: dropped, as when forming the next batch (which ends the
+            # sequence there) comes first; so the same tokens come out whichever thread gets there first
+            self._remove(index, DoneReason.LENGTH)
+            return None
         if drafts:
             base = len(slot.inputs) - len(drafts)  # slot.inputs ends with the sampled token and the drafts
             slot.inputs[base - 1].same_batch = 0  # computed: a shift may drop these inputs one by one
