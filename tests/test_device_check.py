@@ -80,11 +80,11 @@ def prebuilt_archive(folder: Path, arch: str, listing: str) -> Path:
 def test_prebuilt_binaries_are_used_only_where_they_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                         arch: str, listing: str, used: bool) -> None:
     sys.path.insert(0, str(ROOT / "bench"))
-    import device_check
+    import device_build
 
-    monkeypatch.setattr(device_check, "PREBUILT", prebuilt_archive(tmp_path, arch, listing))
+    monkeypatch.setattr(device_build, "PREBUILT", prebuilt_archive(tmp_path, arch, listing))
     bin_dir = tmp_path / "device-cuda" / "bin"
     with (tmp_path / "build.log").open("w") as log:
-        assert device_check.unpack_prebuilt("90", bin_dir, log) is used
+        assert device_build.unpack_prebuilt("90", bin_dir, log) is used
     assert bin_dir.joinpath("llama-bench").exists() is used  # set aside where unused: the run builds instead
     assert "llama-bench --list-devices" in (tmp_path / "build.log").read_text()

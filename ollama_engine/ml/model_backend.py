@@ -128,7 +128,7 @@ class Backend:
         self.layer_devices = [self._assign(layer) for layer in range(self.block_count + 1)]
         self.cpu_weights_type = self._cpu_weights_type()
         self._buffers: list = []
-        self._placeholders: dict[int, object] = {}
+        self._placeholders: dict[tuple, object] = {}  # (device, buffer type, weights?) -> a zero-sized buffer
         self._weight_contexts: list = []
         self._weight_buffers: list = []
         self._mappings: list[ggml_backend.MappedFile] = []
