@@ -102,6 +102,7 @@ STEPS = (
     Step("layout", 40, 120, False, True),
     Step("speed", 100, 100, True, False),
     Step("runner", 60, 120, False, False),
+    Step("gpudiff", 90, 90, True, False),
     Step("serve", 100, 100, True, False),
     Step("bigbatch", 120, 120, True, False),
 )
@@ -591,6 +592,25 @@ def step_runner(args: argparse.Namespace) -> dict[str, Any]:
             "thread_samples": {k: round(v / total, 3) for k, v in samples.most_common(15)}}
 
 
+def step_gpudiff(args: argparse.Namespace) -> dict[str, Any]:
+    """`ollama-engine diff --gpu`: both engines with every layer on the GPU, tensor by tensor, on the 8B and
+    stories260K: the first tensor past diff's tolerance is where the GPU parity gap begins."""
+    results: dict[str, Any] = {"status": "report", "models": {}}
+    models = model_paths(args)
+    for name in (SYNTHETIC_8B, "stories260K"):
+        done = subprocess.run([sys.executable, "-m", "ollama_engine", "diff", str(models[name]), "--prompt",
+                               "The capital of France is a city that", "--gpu", "--json", "-n", "4"],
+                              capture_output=True, text=True, timeout=120, cwd=ROOT)
+        if not done.stdout.strip().startswith("{"):
+            results["models"][name] = {"error": done.stderr[-800:]}
+            continue
+        found = json.loads(done.stdout)
+        results["models"][name] = {k: found.get(k) for k in ("first_over", "output_max_abs", "greedy_agree",
+                                                              "ours_argmax", "llama_argmax")}
+        results["models"][name]["largest"] = sorted(found["tensors"], key=lambda t: -(t["rel"] or 0))[:8]
+    return results
+
+
 def step_serve(args: argparse.Namespace) -> dict[str, Any]:
     """bench/serve_bench.py on the 8B model: serve, its runner alone and llama-server, 1, 4 and 8 streams, one
     round; under py-spy where it travelled (every Python process's busy stacks, to <out>/serve-stacks.txt)."""
@@ -650,7 +670,7 @@ def step_bigbatch(args: argparse.Namespace) -> dict[str, Any]:
 
 STEP_FUNCTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "parity": step_parity, "memory": step_memory, "layout": step_layout, "speed": step_speed,
-    "runner": step_runner, "serve": step_serve, "bigbatch": step_bigbatch,
+    "runner": step_runner, "gpudiff": step_gpudiff, "serve": step_serve, "bigbatch": step_bigbatch,
 }
 
 

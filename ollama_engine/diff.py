@@ -38,9 +38,10 @@ from typing import TextIO
 
 import numpy as np
 
+from ollama_engine.fs import GGUFFile
 from ollama_engine.kvcache import Batch
-from ollama_engine.ml import DType, TensorCapture
-from ollama_engine.ml.device import default_threads
+from ollama_engine.ml import DType, GPULayers, TensorCapture
+from ollama_engine.ml.device import default_threads, gpu_devices
 from ollama_engine.models import Model, load_model
 
 TOLERANCE = 1e-3
@@ -182,9 +183,18 @@ class _OursRun:
     pooled: bool
 
 
+def _gpu_layers(path: Path) -> list[GPULayers]:
+    """Every layer, the output's included, on the first GPU (llama.cpp's default with a GPU)."""
+    gpus = gpu_devices()
+    if not gpus:
+        raise ValueError("--gpu: this machine has no GPU that ggml can use")
+    layers = GGUFFile.open(path).config.get_uint("block_count", 0) + 1
+    return [GPULayers(gpus[0].device_id, list(range(layers)))]
+
+
 def _run_ours(path: Path, prompt: str, layers: str | None, generate: int, threads: int, flash: bool,
-              folder: Path) -> tuple[_OursRun, set[int] | None]:
-    model = load_model(path, num_threads=threads, flash_attention=flash)
+              folder: Path, gpu: bool = False) -> tuple[_OursRun, set[int] | None]:
+    model = load_model(path, _gpu_layers(path) if gpu else [], num_threads=threads, flash_attention=flash)
     try:
         if model.tokenizer is None:
             raise ValueError(f"{path}: the model has no tokenizer")
@@ -251,7 +261,7 @@ class _LlamaCpp:
     """llama.cpp on one GGUF through its low-level API, with an eval callback on its scheduler."""
 
     def __init__(self, path: Path, n_ctx: int, n_batch: int, threads: int, flash: bool, embedding: bool,
-                 capture: TensorCapture, verbose: bool):
+                 capture: TensorCapture, verbose: bool, gpu: bool = False):
         import llama_cpp
 
         if not verbose:  # llama_cpp prints llama.cpp's logs unless this logger's level is above theirs
@@ -259,7 +269,7 @@ class _LlamaCpp:
         self.lib = llama_cpp
         llama_cpp.llama_backend_init()
         model_params = llama_cpp.llama_model_default_params()
-        model_params.n_gpu_layers = 0  # ours runs on the CPU too
+        model_params.n_gpu_layers = 999 if gpu else 0  # where ours runs: every layer on the GPU, or the CPU
         self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {path}")
@@ -336,7 +346,7 @@ def have_llama_cpp() -> bool:
 
 def run_diff(path: str | Path, prompt: str, *, layers: str | None = None, tolerance: float = TOLERANCE,
              generate: int = GENERATE, threads: int | None = None, flash_attention: bool = False,
-             verbose: bool = False) -> DiffResult:
+             verbose: bool = False, gpu: bool = False) -> DiffResult:
     """Run both engines on the prompt and compare every tensor both name (see the module's docstring)."""
     if not have_llama_cpp():
         raise RuntimeError(NEEDS_LLAMA_CPP)
@@ -346,7 +356,7 @@ def run_diff(path: str | Path, prompt: str, *, layers: str | None = None, tolera
     threads = threads or default_threads()
     with tempfile.TemporaryDirectory(prefix="ollama-engine-diff-") as tmp:
         folder = Path(tmp)
-        ours, wanted_layers = _run_ours(path, prompt, layers, generate, threads, flash_attention, folder)
+        ours, wanted_layers = _run_ours(path, prompt, layers, generate, threads, flash_attention, folder, gpu)
         generate = 0 if ours.embedding else generate
         result = DiffResult(model=path.name, architecture=ours.architecture, tokens=ours.tokens, llama_tokens=[],
                             tolerance=tolerance, output="embedding" if ours.embedding else "logits",
@@ -369,7 +379,7 @@ def run_diff(path: str | Path, prompt: str, *, layers: str | None = None, tolera
 
         n = len(ours.tokens)
         llama = _LlamaCpp(path, n + generate, n, threads, flash_attention, ours.embedding,
-                          TensorCapture(wanted, take), verbose)
+                          TensorCapture(wanted, take), verbose, gpu)
         try:
             result.llama_tokens = llama.tokenize(prompt)
             llama.decode(ours.tokens, 0)
@@ -460,6 +470,7 @@ def add_diff_command(subparsers: argparse._SubParsersAction) -> None:
                       help=f"greedy tokens to generate and compare after the prompt (default {GENERATE})")
     diff.add_argument("--threads", type=int, default=0, help="threads for both engines (default: all cores)")
     diff.add_argument("--flash-attention", action="store_true", help="both engines with flash attention")
+    diff.add_argument("--gpu", action="store_true", help="both engines with every layer on the first GPU")
     diff.add_argument("--json", action="store_true", help="print one JSON object")
     diff.set_defaults(run=run_diff_command)
 
@@ -468,7 +479,7 @@ def run_diff_command(args: argparse.Namespace) -> int:
     """Print the comparison; 1 when the engines depart (a tensor over tolerance, or greedy tokens differ)."""
     result = run_diff(args.model, args.prompt, layers=args.layers, tolerance=args.tolerance,
                       generate=args.generate, threads=args.threads or None, flash_attention=args.flash_attention,
-                      verbose=args.verbose)
+                      verbose=args.verbose, gpu=args.gpu)
     if args.json:
         json.dump(result.to_json(), sys.stdout, indent=1)
         print()

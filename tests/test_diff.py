@@ -97,6 +97,14 @@ def test_diff_without_llama_cpp_says_how_to_get_it(monkeypatch, tmp_path, capsys
     assert "error: diff needs llama.cpp's Python bindings" in capsys.readouterr().err
 
 
+def test_gpu_asks_for_a_gpu_and_says_when_there_is_none(stories_path, monkeypatch, capsys):
+    monkeypatch.setattr(diff, "gpu_devices", lambda: [])  # whatever this machine has
+    with pytest.raises(ValueError, match="no GPU"):
+        diff.run_diff(stories_path, PROMPT, gpu=True)
+    assert main(["diff", str(stories_path), "--prompt", PROMPT, "--gpu"]) == 1
+    assert "--gpu: this machine has no GPU" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------- against llama.cpp
 
 
