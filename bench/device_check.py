@@ -146,15 +146,9 @@ def sized_model(args: argparse.Namespace) -> tuple[str, Path]:
 def gpu_layout(path: Path, count: int | None) -> list:
     """The first GPU holding the last `count` layers (all when None); empty on a machine without one."""
     from ollama_engine.fs import GGUFFile
-    from ollama_engine.ml import gpu_devices
-    from ollama_engine.ml.memory import GPULayers
+    from ollama_engine.ml import on_first_gpu
 
-    gpus = gpu_devices()
-    if not gpus:
-        return []
-    layers = GGUFFile.open(path).config.get_uint("block_count") + 1  # the output layer counts as one, as Ollama's
-    count = layers if count is None else count
-    return [GPULayers(gpus[0].device_id, list(range(layers - count, layers)))]
+    return on_first_gpu(GGUFFile.open(path).config.get_uint("block_count") + 1, count)
 
 
 def threads(args: argparse.Namespace) -> int | None:

@@ -41,7 +41,7 @@ import numpy as np
 from ollama_engine.fs import GGUFFile
 from ollama_engine.kvcache import Batch
 from ollama_engine.ml import DType, GPULayers, TensorCapture
-from ollama_engine.ml.device import default_threads, gpu_devices
+from ollama_engine.ml.device import default_threads, on_first_gpu
 from ollama_engine.models import Model, load_model
 
 TOLERANCE = 1e-3
@@ -185,11 +185,10 @@ class _OursRun:
 
 def _gpu_layers(path: Path) -> list[GPULayers]:
     """Every layer, the output's included, on the first GPU (llama.cpp's default with a GPU)."""
-    gpus = gpu_devices()
-    if not gpus:
+    layout = on_first_gpu(GGUFFile.open(path).config.get_uint("block_count", 0) + 1)
+    if not layout:
         raise ValueError("--gpu: this machine has no GPU that ggml can use")
-    layers = GGUFFile.open(path).config.get_uint("block_count", 0) + 1
-    return [GPULayers(gpus[0].device_id, list(range(layers)))]
+    return layout
 
 
 def _run_ours(path: Path, prompt: str, layers: str | None, generate: int, threads: int, flash: bool,

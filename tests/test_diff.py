@@ -98,7 +98,7 @@ def test_diff_without_llama_cpp_says_how_to_get_it(monkeypatch, tmp_path, capsys
 
 
 def test_gpu_asks_for_a_gpu_and_says_when_there_is_none(stories_path, monkeypatch, capsys):
-    monkeypatch.setattr(diff, "gpu_devices", lambda: [])  # whatever this machine has
+    monkeypatch.setattr(diff, "on_first_gpu", lambda total_layers, count=None: [])  # whatever this machine has
     with pytest.raises(ValueError, match="no GPU"):
         diff.run_diff(stories_path, PROMPT, gpu=True)
     assert main(["diff", str(stories_path), "--prompt", PROMPT, "--gpu"]) == 1

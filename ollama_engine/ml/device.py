@@ -16,7 +16,7 @@ from ollama_engine import envconfig
 from ollama_engine.ggml import backend as ggml_backend
 from ollama_engine.ggml import rpc
 
-from .memory import DeviceID
+from .memory import DeviceID, GPULayers
 
 RPC_LIBRARY = "RPC"
 
@@ -107,6 +107,14 @@ def cpu_device() -> Device:
 
 def gpu_devices() -> list[Device]:
     return [d for d in devices() if d.is_gpu]
+
+
+def on_first_gpu(total_layers: int, count: int | None = None) -> list[GPULayers]:
+    """The last `count` of a model's layers (all when None; the output layer counts as one, as Ollama's) on the
+    first GPU, as llama.cpp's -ngl places them; empty on a machine without one."""
+    gpus = gpu_devices()
+    count = total_layers if count is None else count
+    return [GPULayers(gpus[0].device_id, list(range(total_layers - count, total_layers)))] if gpus else []
 
 
 def serve_rpc(host: str, port: int, threads: int = 0) -> None:
