@@ -305,6 +305,32 @@ static ggml_backend_buffer_type_t cpu_cache_line_buffer_type(void) {
 """
 
 
+# ggml's scheduler, splitting a graph over several backends, points the sources of the nodes that read another
+# backend's tensor at its copies of them, made in its own context and made anew at every split. A graph split
+# again (a reserve after a measure, or computed again after another graph) would start from those stale copies
+# (a half-offloaded 8B's reserve then laid the CPU's attention out where the measure had put it on the GPU:
+# 250 MB against 10); so the sources a graph was built with are kept and put back before each split.
+GRAPH_SOURCES = """
+static size_t graph_source_slots(struct ggml_cgraph * graph) {
+    return (size_t) ggml_graph_n_nodes(graph) * GGML_MAX_SRC;
+}
+
+static void graph_save_sources(struct ggml_cgraph * graph, struct ggml_tensor ** saved) {
+    for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
+        struct ggml_tensor * node = ggml_graph_node(graph, i);
+        for (int j = 0; j < GGML_MAX_SRC; j++) saved[(size_t) i * GGML_MAX_SRC + j] = node->src[j];
+    }
+}
+
+static void graph_restore_sources(struct ggml_cgraph * graph, struct ggml_tensor ** saved) {
+    for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
+        struct ggml_tensor * node = ggml_graph_node(graph, i);
+        for (int j = 0; j < GGML_MAX_SRC; j++) node->src[j] = saved[(size_t) i * GGML_MAX_SRC + j];
+    }
+}
+"""
+
+
 # ggml aborts the process on a failed assertion or a lost RPC connection, after printing the bare message. Our
 # runner's parent reports a crashed runner by its stderr lines that start with "error:" (as Ollama's does); with
 # this prefix a vanished RPC host is reported as such rather than as "exit code -6".
@@ -332,12 +358,15 @@ def compile_bindings(tree: Path, libraries: list[str]) -> None:
     ffi.cdef(header_declarations(include_dir, exported_symbols(), headers))
     ffi.cdef("ggml_backend_buffer_type_t cpu_cache_line_buffer_type(void);")
     ffi.cdef("void abort_with_error_prefix(void);")
+    ffi.cdef("size_t graph_source_slots(struct ggml_cgraph *);\n"
+             "void graph_save_sources(struct ggml_cgraph *, struct ggml_tensor **);\n"
+             "void graph_restore_sources(struct ggml_cgraph *, struct ggml_tensor **);")
     if RPC_HEADER in headers:  # the protocol version, for checking a server before ggml connects to it
         ffi.cdef("#define RPC_PROTO_MAJOR_VERSION ...\n#define RPC_PROTO_MINOR_VERSION ...\n"
                  "#define RPC_PROTO_PATCH_VERSION ...")
     ffi.set_source(
         f"ollama_engine.ggml.{MODULE}",
-        "".join(f'#include "{h}"\n' for h in headers) + CACHE_LINE_BUFFER_TYPE + ERROR_PREFIXED_ABORT,
+        "".join(f'#include "{h}"\n' for h in headers) + CACHE_LINE_BUFFER_TYPE + GRAPH_SOURCES + ERROR_PREFIXED_ABORT,
         include_dirs=[str(include_dir), str(tree / "ggml" / "src")],
         library_dirs=[str(LIB_DIR)],
         libraries=libraries,

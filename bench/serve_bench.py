@@ -297,11 +297,17 @@ def wait_http(url: str, process: subprocess.Popen, timeout: float = 300) -> None
         time.sleep(0.25)
 
 
+def loaded_on_gpu(results: dict[str, Any]) -> bool:
+    """Whether serve put the model in GPU memory (/api/ps): a runner alone is then loaded on the GPU too, else
+    the comparison would set a GPU-loaded serve against a CPU-loaded runner."""
+    return any(m.get("size_vram") for m in results.get("serve_loaded", []))
+
+
 def hop(args: argparse.Namespace, num_ctx: int, streams: list[int], results: dict[str, Any]) -> None:
     """Single-stream decode and first token straight to a runner, against serve's (results["serve_single"])."""
     progress("runner direct: single stream")
     worker = WorkerArgs(engine="runner", task="single", model=str(args.model), prompts={}, threads=args.threads,
-                        t0=time.time(), gpu=False, streams=streams, verbose=False)
+                        t0=time.time(), gpu=loaded_on_gpu(results), streams=streams, verbose=False)
     handle, _, _ = start_runner(worker, num_ctx, args.slots)
     try:
         results["runner_single"] = single(runner_completion(handle), args.n_predict, args.prompt_words, 5)
@@ -374,7 +380,7 @@ def main() -> int:
         servers = {"serve": (generate, serve_pids())}
         if args.runner:  # the runner alone, loaded as serve's scheduler loads it, driven over Ollama's protocol
             worker = WorkerArgs(engine="runner", task="single", model=str(args.model), prompts={}, threads=args.threads,
-                                t0=time.time(), gpu=False, streams=streams, verbose=False)
+                                t0=time.time(), gpu=loaded_on_gpu(results), streams=streams, verbose=False)
             handle = stack.enter_context(start_runner(worker, num_ctx, args.slots)[0])
             servers["runner"] = (runner_completion(handle), {"runner": handle.process.pid})
         if args.llama_server.exists() or shutil.which(str(args.llama_server)):

@@ -324,8 +324,13 @@ class Causal:
             raise ShapeError(f"put: key {key.shape} and value {value.shape} for a batch of {n}")
         keys, values = self._layer_tensors(key, value)
         k_width, v_width = key.ne[0] * key.ne[1], value.ne[0] * value.ne[1]
-        ctx.forward(Tensor(ctx, keys.handle).reshape(k_width, self._cells).set_rows(
-            key.reshape(k_width, n), self._bound.locs_tensor))
+        # As llama.cpp writes its cache: the rows a view of the key and the cache's 2-D form already in the graph,
+        # so that the key's ROPE, the VIEW and the SET_ROWS are adjacent nodes, which ggml-cuda fuses into one
+        # kernel (a RESHAPE between, or the cache's reshape visited last, as SET_ROWS's third source, prevents it)
+        key = key.packed()
+        target = Tensor(ctx, keys.handle).reshape(k_width, self._cells)
+        ctx.forward(target)
+        ctx.forward(target.set_rows(key.view(0, (k_width, n), (key.strides[2],)), self._bound.locs_tensor))
         if values is None:
             return  # the value is the key's first features, stored with it
         if self.config.permuted_v:

@@ -327,8 +327,8 @@ class DeepSeek2(Model):
             x = self.self_attention(ctx, layer, x, inp.positions, temperature, i)
             if inp.done(i):
                 return None
-            x, h = inp.rows(i, x, h)
-            h = layer.attn_output.matmul(x).add(h).set_name(f"ffn_inp-{i}")
+            x, h = inp.rows(i, layer.attn_output.matmul(x), h)
+            h = x.add(h).set_name(f"ffn_inp-{i}")
             x = self.feed_forward(layer, h.rms_norm(layer.ffn_norm, o.eps).set_name(f"ffn_norm-{i}"), i,
                                   inp.sequence_rows(i))
             h = x.set_name(f"ffn_out-{i}").add(h).set_name(f"l_out-{i}")

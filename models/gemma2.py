@@ -135,8 +135,8 @@ class Gemma2(Model):
             x = attend(ctx, self.cache, q.scale(g.query_scale), k, v, 1.0, i, softcap=g.attn_softcap)
             if inp.done(i):
                 return None
-            x, h = inp.rows(i, x, h)
-            h = layer.attn_output.matmul(x).rms_norm(layer.post_attention_norm, o.eps).add(h).set_name(f"sa_out-{i}")
+            x, h = inp.rows(i, layer.attn_output.matmul(x).rms_norm(layer.post_attention_norm, o.eps), h)
+            h = x.add(h).set_name(f"sa_out-{i}")
             x = h.rms_norm(layer.ffn_norm, o.eps).set_name(f"ffn_norm-{i}")
             x = ffn(x, layer.ffn_gate, layer.ffn_up, layer.ffn_down, i, Tensor.gelu).set_name(f"ffn_out-{i}")
             h = x.rms_norm(layer.post_ffw_norm, o.eps).add(h).set_name(f"l_out-{i}")

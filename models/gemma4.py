@@ -306,6 +306,7 @@ class Gemma4(Model):
             self.cache.set_layer_type(SWA if o.swa[i] else GLOBAL)
             x = self.self_attention(ctx, layer, h.rms_norm(layer.attn_norm, o.eps).set_name(f"attn_norm-{i}"),
                                     positions, i)
+            x = layer.attn_output.matmul(x)  # every row, then the rows wanted, as llama.cpp (a GPU rounds by rows)
             mine = None
             if per_layer is not None:  # this layer's slice (per_layer_dim, n) of (per_layer_dim, n, blocks)
                 mine = per_layer.view(i * per_layer.strides[2], (o.per_layer_dim, len(batch)),
@@ -316,7 +317,7 @@ class Gemma4(Model):
                 x, h = x.rows(outputs), h.rows(outputs)
                 mine = mine.rows(outputs) if mine is not None else None
                 rows = sequence_rows(batch.sequences[batch.outputs]) if self.rows_alone else ()
-            x = layer.attn_output.matmul(x).rms_norm(layer.post_attention_norm, o.eps).set_name(f"attn_post_norm-{i}")
+            x = x.rms_norm(layer.post_attention_norm, o.eps).set_name(f"attn_post_norm-{i}")
             h = x.add(h).set_name(f"attn_out-{i}")
             h = self.feed_forward(layer, h, i, rows).rms_norm(layer.post_ffw_norm, o.eps).add(h)
             if mine is not None:

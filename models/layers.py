@@ -10,7 +10,9 @@ A forward reads, in this style:
         x = attend(ctx, self.cache, q, k, v, scale, i)      # the layer's attention
         if inp.done(i):
             return None                                     # no row wants logits
-        x, h = inp.rows(i, x, h)                            # the last layer: only those rows go on
+        x = layer.attn_output.matmul(x)                     # every row, as llama.cpp's build_attn: a GPU
+        x, h = inp.rows(i, x, h)                            # rounds a 1-row product otherwise; the last
+                                                            # layer: only the rows wanting logits go on
         ...
     return head(h, self.weights.output_norm, self.weights.output, eps)
 

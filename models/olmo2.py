@@ -93,9 +93,10 @@ class Olmo2(Model):
             x = attend(ctx, self.cache, q, k, v, o.attention_scale, i)
             if inp.done(i):
                 return None
-            x, h = inp.rows(i, x, h)
             x = layer.attn_output.matmul(x).set_name(f"attn_out-{i}")
-            h = x.rms_norm(layer.post_attention_norm, eps).set_name(f"attn_post_norm-{i}").add(h)
+            x = x.rms_norm(layer.post_attention_norm, eps).set_name(f"attn_post_norm-{i}")
+            x, h = inp.rows(i, x, h)
+            h = x.add(h)
             h = h.set_name(f"ffn_inp-{i}")
             x = ffn(h, layer.ffn_gate, layer.ffn_up, layer.ffn_down, i).set_name(f"ffn_out-{i}")
             h = x.rms_norm(layer.post_ffw_norm, eps).set_name(f"ffn_post_norm-{i}").add(h).set_name(f"l_out-{i}")

@@ -94,8 +94,8 @@ class Phi3(Model):
             x = attend(ctx, self.cache, q, k, v.set_name(f"Vcur-{i}"), 1.0, i)
             if inp.done(i):
                 return None
-            x, h = inp.rows(i, x, h)
-            h = layer.attn_output.matmul(x).set_name(f"attn_out-{i}").add(h).set_name(f"ffn_inp-{i}")
+            x, h = inp.rows(i, layer.attn_output.matmul(x).set_name(f"attn_out-{i}"), h)
+            h = x.add(h).set_name(f"ffn_inp-{i}")
             x = self.feed_forward(layer, h.rms_norm(layer.ffn_norm, o.eps).set_name(f"ffn_norm-{i}"), i)
             h = x.set_name(f"ffn_out-{i}").add(h).set_name(f"l_out-{i}")
         return head(h, w.output_norm, w.output, o.eps)

@@ -88,8 +88,8 @@ class Qwen2VL(Model):
             x = attend(ctx, self.cache, q, k, v, self.scale, i)
             if inp.done(i):
                 return None
-            x, h = inp.rows(i, x, h)
-            h = layer.attn_output.matmul(x).set_name(f"attn_out-{i}").add(h).set_name(f"ffn_inp-{i}")
+            x, h = inp.rows(i, layer.attn_output.matmul(x).set_name(f"attn_out-{i}"), h)
+            h = x.add(h).set_name(f"ffn_inp-{i}")
             x = ffn(h.rms_norm(layer.ffn_norm, o.eps).set_name(f"ffn_norm-{i}"), layer.ffn_gate, layer.ffn_up,
                     layer.ffn_down, i)
             h = x.set_name(f"ffn_out-{i}").add(h).set_name(f"l_out-{i}")

@@ -376,6 +376,57 @@ def test_mapped_weights_stay_where_they_are(servers, stories_path):
     assert splits["1"] == splits["0"] and splits["0"][0] == 2  # the lookup on the CPU, the layers on the host
 
 
+RESPLIT = """
+import json, sys
+import numpy as np
+from ollama_engine import ggml
+from ollama_engine.ggml import NULL, lib
+from ollama_engine.kvcache import Batch
+from ollama_engine.ml import GPULayers
+from ollama_engine.ml.memory import DeviceID
+from ollama_engine.runner.allocate import LoadParams, open_model
+path, endpoint = sys.argv[1], sys.argv[2]
+params = LoadParams(parallel=1, batch_size=32, kv_size=256, num_threads=1,
+                    gpu_layers=(GPULayers(DeviceID(endpoint, "RPC"), [3, 4, 5, 6]),))
+loaded = open_model(path, params, allocate=True)
+loaded.model.backend.load()
+model, backend = loaded.model, loaded.model.backend
+
+def sources(graph):
+    nodes = [lib.ggml_graph_node(graph, i) for i in range(lib.ggml_graph_n_nodes(graph))]
+    return [ggml.get_name(n.src[j]) for n in nodes for j in range(10) if n.src[j] != NULL]
+
+prompt = Batch(positions=range(4), sequences=[0] * 4, outputs=[3], tokens=[1, 2, 3, 4])
+decode = Batch(positions=[4], sequences=[0], outputs=[0], tokens=[5])
+model.graphs.compute(prompt)
+first = np.array(model.graphs.compute(decode))
+graph = backend.allocated_graph
+split = sources(graph)
+backend.scheduler._as_built(graph)
+built = sources(graph)
+model.cache.remove(0, 0)
+model.graphs.compute(prompt)  # another graph, then the decode graph split again
+again = np.array(model.graphs.compute(decode))
+print(json.dumps({"copies_after_split": sum("#" in n for n in split), "copies_as_built": sum("#" in n for n in built),
+                  "same_logits": bool((first == again).all())}))
+"""
+
+
+def test_a_graph_split_again_starts_from_its_own_sources(servers, stories_path):
+    """ggml's split points a graph's sources at its copies of tensors from another backend, and makes the copies
+    anew at every split: a graph split again must get its own sources back first (a GPU's reserve otherwise laid
+    a half-offloaded 8B's attention out on the CPU, 250 MB that fit had measured as 10). Here the layers cross
+    from the CPU to an RPC host and back: the decode graph is split, split again after another graph, and
+    computes the same logits."""
+    result = subprocess.run([sys.executable, "-c", RESPLIT, str(stories_path), servers[0]],
+                            env={**os.environ, "OLLAMA_RPC_SERVERS": servers[0]}, capture_output=True, text=True,
+                            timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert result.returncode == 0, result.stderr[-2000:]
+    found = json.loads(result.stdout.splitlines()[-1])
+    assert found["copies_after_split"] > 0 and found["copies_as_built"] == 0, found
+    assert found["same_logits"], found
+
+
 if __name__ == "__main__":
     print(json.dumps(split_run(sys.argv[1], sys.argv[2:])))
     sys.exit(0)

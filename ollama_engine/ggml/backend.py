@@ -452,21 +452,41 @@ class Scheduler:
         )
         if self.handle == NULL:
             raise RuntimeError("ggml_backend_sched_new failed")
+        self._sources: dict[int, object] = {}  # graph address -> the sources its nodes were built with
+
+    def _as_built(self, graph) -> None:
+        """The graph with the sources it was built with, before ggml splits it (build_ggml.GRAPH_SOURCES: a split
+        points them at the copies of the last split), and the scheduler reset, as a first split finds it."""
+        key = int(ffi.cast("uintptr_t", graph))
+        saved = self._sources.get(key)
+        if saved is None:
+            self._sources[key] = saved = ffi.new("struct ggml_tensor *[]", lib.graph_source_slots(graph))
+            lib.graph_save_sources(graph, saved)
+        else:
+            lib.graph_restore_sources(graph, saved)
+        lib.ggml_backend_sched_reset(self.handle)
+
+    def forget(self, graph) -> None:
+        """The graph is freed: its address may hold another graph next."""
+        self._sources.pop(int(ffi.cast("uintptr_t", graph)), None)
 
     def reserve_size(self, graph) -> list[int]:
         """Compute-buffer bytes per backend that this graph needs; allocates nothing."""
         sizes = ffi.new("size_t[]", self.n_backends)
+        self._as_built(graph)
         lib.ggml_backend_sched_reserve_size(self.handle, graph, sizes)
         return list(sizes)
 
     def reserve(self, graph) -> bool:
         """Grow the compute buffers so this graph fits; False when a device is out of memory."""
+        self._as_built(graph)
         return bool(lib.ggml_backend_sched_reserve(self.handle, graph))
 
     def buffer_sizes(self) -> list[int]:
         return [lib.ggml_backend_sched_get_buffer_size(self.handle, self.backends[i]) for i in range(self.n_backends)]
 
     def alloc_graph(self, graph) -> bool:
+        self._as_built(graph)
         return bool(lib.ggml_backend_sched_alloc_graph(self.handle, graph))
 
     def compute(self, graph) -> None:

@@ -68,6 +68,7 @@ class Context:
         more in pieces of that many, so that each row takes the kernel a one-row batch takes."""
         self._forward: list[Tensor] = []
         self._graph = None
+        self._built: list = []  # every graph built here: the scheduler keeps their sources until they are freed
         self._closed = False
 
     # ------------------------------------------------------------ where tensors go
@@ -191,6 +192,7 @@ class Context:
                 raise MemoryError(f"graph has more than {self.max_nodes} nodes")
             ops.build_forward_expand(graph, tensor.handle)
         self._graph = (key, graph)
+        self._built.append(graph)
         return graph
 
     def compute(self, *outputs: Tensor, read: Tensor | None = None) -> np.ndarray | None:
@@ -204,8 +206,7 @@ class Context:
         with backend.compute_lock:
             if backend.allocated_graph is not graph:
                 backend.allocated_graph = None
-                scheduler.reset()
-                if not scheduler.alloc_graph(graph):
+                if not scheduler.alloc_graph(graph):  # from a reset scheduler and the graph as built
                     raise NoMemory(backend.memory)
                 backend.allocated_graph = graph
                 self.allocations += 1
@@ -231,6 +232,9 @@ class Context:
         if not self._closed:
             if self._graph is not None and self.backend.allocated_graph is self._graph[1]:
                 self.backend.allocated_graph = None
+            if self.backend.scheduler is not None:
+                for graph in self._built:
+                    self.backend.scheduler.forget(graph)
             ggml.free_context(self.handle)
             self._closed = True
 

@@ -381,11 +381,21 @@ class Backend:
         ggml_backend.set_threads(self._backends[-1], num_threads)
         self.num_threads = num_threads
         self.max_graph_nodes = max(1024, 32 * len(self.weights))
-        # the CPU's compute buffer puts tensors on cache lines (ggml's own CPU buffer type: 32 bytes)
         compute_buffer_types = [d.buffer_type for d in self.compute_devices[:-1]]
-        compute_buffer_types.append(ggml_backend.cpu_cache_line_buffer_type())
+        compute_buffer_types.append(self._cpu_compute_buffer_type())
         self.scheduler = ggml_backend.Scheduler(self._backends, compute_buffer_types, self.max_graph_nodes,
                                                 op_offload=self.op_offload)
+
+    def _cpu_compute_buffer_type(self):
+        """Beside a GPU, the first GPU's pinned host memory, as llama.cpp's: the activations that cross between
+        the CPU's split and the GPU's (the token embeddings each step) are copied by DMA, asynchronously, not
+        staged through pageable memory. Otherwise ggml's CPU type with every tensor on a cache line (ggml's
+        own aligns to 32 bytes)."""
+        for device in self.compute_devices[:-1]:
+            pinned = ggml_backend.host_buffer_type(device.handle)
+            if pinned is not None:
+                return pinned
+        return ggml_backend.cpu_cache_line_buffer_type()
 
     def reserve(self, graph) -> None:
         """Make room for this graph's compute buffers (fit: only measure); Graph keeps the maximum."""
