@@ -184,7 +184,11 @@ def run_streams(runner: Runner, prompts: list[str], num_predict: int) -> list[in
 def test_one_stream_after_four_shifted_streams(loaded):
     """Issue 33's sequence: 1 stream, 4 streams whose context shifts, 1 stream. The later stream's graphs attend
     to its own region as the first's did, and the runner keeps one pool: its compute thread's (the shifts ran on the
-    batch builder, the prefix copy on the thread that added the sequence)."""
+    batch builder, the prefix copy on the thread that added the sequence).
+
+    The sequences are added from a thread of their own, as the runner's HTTP handlers add them from its event loop,
+    which never computes a forward graph: this test's main thread may have (an earlier test's Graph.run on it
+    makes it a computing thread for good), and would then copy the prefix in place, with a pool of its own."""
     cache = loaded.model.cache
     region, num_ctx = cache.region, loaded.input_cache.num_ctx
     layouts: list[tuple] = []
@@ -206,24 +210,30 @@ def test_one_stream_after_four_shifted_streams(loaded):
     errors: list[BaseException] = []
     runner = Runner(loaded, errors.append)
     runner.start()
+    handlers = LongLived("handlers")
+
+    def streams(prompts: list[str], num_predict: int) -> list[int]:
+        return handlers.run(lambda: run_streams(runner, prompts, num_predict))
+
     try:
         words = "the little dog ran to the old tree and saw a big red ball"
-        assert run_streams(runner, [f"Story 1: {words}"], 40) == [40]
+        assert streams([f"Story 1: {words}"], 40) == [40]
         first = [entry for entry in layouts if len(entry[1]) == 1]
         one_pool = steady()
         layouts.clear()
-        shifted = run_streams(runner, [f"Story {i}: {words}" for i in range(2, 6)], num_ctx + 20)
+        shifted = streams([f"Story {i}: {words}" for i in range(2, 6)], num_ctx + 20)
         assert shifted == [num_ctx + 20] * 4  # each went past its context: shifted on the batch builder
         layouts.clear()
-        assert run_streams(runner, [f"Story 6: {words}"], 40) == [40]
+        assert streams([f"Story 6: {words}"], 40) == [40]
         # multi-user cache: a prompt continuing the newest slot's prompt gets its prefix copied into the oldest
-        # slot, by runner.add on this (the main) thread, as the runner's HTTP handlers do on theirs
+        # slot, by runner.add on the thread that adds it, as the runner's HTTP handlers do on theirs
         cache.copy_prefix = copying
-        assert run_streams(runner, [f"Story 6: {words} and then"], 40) == [40]
+        assert streams([f"Story 6: {words} and then"], 40) == [40]
         later = [entry for entry in layouts if len(entry[1]) == 1]
         assert copies, "the last prompt's prefix was not copied from another slot"
         assert steady() == one_pool, "a shift or copy left an OpenMP pool beside the compute thread's"
     finally:
+        handlers.close()
         runner.close()
         cache.prepare, cache.copy_prefix = prepare, copy_prefix
     assert not errors
