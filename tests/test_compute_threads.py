@@ -274,3 +274,47 @@ def test_a_full_slot_ends_alike_whichever_thread_comes_first(loaded, builder_lat
     assert not errors
     assert seq.done_reason == DoneReason.LENGTH
     assert seq.num_predicted == runner.num_ctx - seq.num_prompt_inputs
+
+
+def test_one_thread_or_two_compute_the_same_streams(stories_path):
+    """The builder computing its batches itself (Runner.inline, chosen where ggml's threads fill the CPUs) gives the
+    streams the compute thread gives them, token for token; a compute asked for from another thread (an
+    embedding's) then runs on the builder, between batches, and one asked of a closed runner is refused."""
+    words = "the little dog ran to the old tree and saw a big red ball"
+    texts, asked_on = {}, {}
+    for inline in (False, True):
+        loaded = open_model(str(stories_path), LoadParams(parallel=2, batch_size=64, kv_size=512, num_threads=THREADS),
+                            allocate=True)
+        loaded.model.backend.load()
+        errors: list[BaseException] = []
+        runner = Runner(loaded, errors.append, inline=inline)
+        runner.start()
+        try:
+            pieces: dict[int, list[str]] = {0: [], 1: []}
+            dones = []
+            for i in (0, 1):
+                seq = runner.new_sequence(f"Story {i}: {words}", SequenceOptions(sampler=Sampler(temperature=0),
+                                                                                 num_predict=30))
+                done = threading.Event()
+
+                def sink(piece: Piece | None, mine: list[str] = pieces[i], done: threading.Event = done) -> None:
+                    if piece is None:
+                        done.set()
+                    else:
+                        mine.append(piece.text)
+
+                runner.add(seq, sink)
+                dones.append(done)
+            asked = runner.submit_compute(lambda: threading.current_thread().name)
+            assert all(done.wait(60) for done in dones)
+            asked_on[inline] = asked.result(60)
+        finally:
+            runner.close()
+            loaded.close()
+        if inline:
+            with pytest.raises(RuntimeError, match="closing"):
+                runner.submit_compute(lambda: None)
+        assert not errors
+        texts[inline] = ["".join(p) for p in pieces.values()]
+    assert texts[True] == texts[False] and all(texts[True])
+    assert asked_on == {True: "batch-builder", False: "compute_0"}

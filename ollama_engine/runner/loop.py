@@ -8,6 +8,12 @@ sampler, and batch N+1 reads its token ids only when its own compute starts, aft
 the sequences have moved their inputs into the slots, and batch N's cache cells and mask are in its
 graph, before the next batch is formed. Batches of the same shape share one graph (models.Graphs).
 
+Where ggml's threads fill every CPU (a model on the CPU alone, a thread per core), the builder computes each
+batch itself instead (Runner.inline): there the overlap bought nothing, its Python and the hand-off between two
+threads ran on a core one of ggml's threads needed (stories260K on 2 cores: 0.587 -> 0.532 ms a token one
+thread). The builder is then the thread that computes, so the forward passes others ask for (submit_compute)
+are queued to it and run between batches.
+
 Batch formation: one token budget (batch_size) shared by all sequences, visited round-robin from the
 sequence that last missed out; a same-batch group is never split (it may stretch the budget); a prompt
 too long for one batch continues in the next. A sequence's inputs go in the chunks they would form
@@ -75,7 +81,7 @@ class BatchState:
 class Runner:
     """Serves completions from a committed model; start() launches the threads, close() stops them."""
 
-    def __init__(self, loaded: LoadedModel, on_fatal: Callable[[BaseException], None]):
+    def __init__(self, loaded: LoadedModel, on_fatal: Callable[[BaseException], None], inline: bool | None = None):
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.model.tokenizer
@@ -94,7 +100,11 @@ class Runner:
         """Most rows of a batch holding drafts (0: no exact speculation for this model; runner/speculate.py)."""
         self.model.graphs.verify_row_limits = matmul_row_limits(self.model) if self.spec_rows > 1 else None
         self.step_cost = StepCost()
-        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self.inline = loaded.model.backend.fills_cpus() if inline is None else inline
+        """The builder computes every batch itself (see the module's docstring); None chose it by the CPUs."""
+        self._compute = None if self.inline else ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self._queued: list[tuple[Callable[[], object], Future]] = []
+        """Inline: the computes submit_compute was asked for, run by the builder between batches (under cond)."""
         self._builder = threading.Thread(target=self._run, name="batch-builder", daemon=True)
 
     @property
@@ -109,18 +119,44 @@ class Runner:
             self.closing = True
             self.cond.notify_all()
         self._builder.join()
-        self._compute.shutdown(wait=True)
+        if self._compute is not None:
+            self._compute.shutdown(wait=True)
+        with self.cond:
+            queued, self._queued = self._queued, []
+        for _, future in queued:
+            future.set_exception(RuntimeError("the runner closed before the compute ran"))
 
     def submit_compute(self, work: Callable[[], T]) -> Future[T]:
-        """`work` on the compute thread, after the batches queued before it. A pooled forward pass (an embedding)
-        runs there, so the runner's graphs keep one OpenMP pool and a request starts no thread
+        """`work` on the thread that computes the batches, after the batches queued before it. A pooled forward
+        pass (an embedding) runs there, so the runner's graphs keep one OpenMP pool and a request starts no thread
         (ml/compute_threads.py)."""
 
         def in_place() -> T:
             compute_here()  # as after the thread's first batch: an embedding runner computes no batch
             return work()
 
-        return self._compute.submit(in_place)
+        if self._compute is not None:
+            return self._compute.submit(in_place)
+        future: Future[T] = Future()
+        with self.cond:
+            if self.closing:
+                raise RuntimeError("the runner is closing")
+            self._queued.append((in_place, future))
+            self.cond.notify()
+        return future
+
+    def _run_queued(self) -> None:
+        """Inline: the queued computes, in order, on this (the builder's) thread."""
+        while True:
+            with self.cond:
+                if not self._queued:
+                    return
+                work, future = self._queued.pop(0)
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(work())
+                except BaseException as err:  # the caller's to handle, as a compute thread's future would hold it
+                    future.set_exception(err)
 
     # ------------------------------------------------------------ sequences
 
@@ -198,12 +234,16 @@ class Runner:
             while True:
                 if previous is not None:
                     previous.compute_started.wait()
+                self._run_queued()
                 current = self._form_batch()
                 if current is None:
                     return
                 with self.cond:
                     self.in_flight += 1
-                self._compute.submit(self._compute_batch, current).add_done_callback(self._check)
+                if self._compute is None:
+                    self._compute_batch(current)  # its failure ends the loop, as _check reports a compute thread's
+                else:
+                    self._compute.submit(self._compute_batch, current).add_done_callback(self._check)
                 previous = current
         except BaseException as err:
             self.on_fatal(err)
@@ -224,8 +264,8 @@ class Runner:
     def _form_batch(self) -> BatchState | None:
         with self.cond:
             # a speculating sequence has no inputs until its last batch is sampled
-            while not self.closing and (self._awaiting_drafts()
-                                        or not any(s is not None and (s.inputs or s.quit.is_set()) for s in self.seqs)):
+            while not self.closing and not self._queued and (self._awaiting_drafts() or not any(
+                    s is not None and (s.inputs or s.quit.is_set()) for s in self.seqs)):
                 self.cond.wait()
             if self.closing:
                 return None
