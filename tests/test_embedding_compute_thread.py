@@ -2,8 +2,9 @@
 
 Before, each request's forward pass ran on an asyncio worker thread, which does not compute in place
 (ml/compute_threads.py), so ggml ran it on a thread started for it and ended after it: a thread start and a
-new OpenMP pool per request, the pool gone again after. Now the compute thread (the one that runs completion
-batches) runs it: one pool, kept between requests, and never a second one beside it.
+new OpenMP pool per request, the pool gone again after. Now the thread that computes the completion batches
+runs it (the compute thread, or the batch builder where the runner computes inline): one pool, kept between
+requests, and never a second one beside it.
 
 Asserted through the OS threads that Python did not start (the pool's workers), as tests/test_compute_threads.py
 does: with a runner serving a 2-thread encoder, one pool of THREADS - 1 workers stays after the requests, and

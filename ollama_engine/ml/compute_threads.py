@@ -10,13 +10,14 @@ decode step of stories260K took 3-5x as long as before, on the same graph (issue
 ~5x slower after four streams", which was the first shift, not the streams).
 
 So a graph is computed in place only on a thread that called compute_here() (the thread that runs a model's
-forward graphs: the runner's compute thread), or on the main thread while no other thread has: a script or a
-test computing on its main thread keeps one pool, but in the runner the main thread runs the HTTP event loop,
-whose handlers may copy a cached prefix (runner.add -> load_slot). A compute asked for from any other thread
-runs on a short-lived thread that ends right after it, taking its pool with it. Those computes (cache shifts,
-prefix copies, vision towers) happen per request, not per token: a thread start costs far less than they do.
-The runner's embeddings and rerank scores, whose whole request is one compute, are instead handed to its
-compute thread (Runner.submit_compute). Computes of one backend are serialized by its compute lock either way.
+forward graphs: the runner's compute thread, or its batch builder where that computes the batches itself), or
+on the main thread while no other thread has: a script or a test computing on its main thread keeps one pool,
+but in the runner the main thread runs the HTTP event loop, whose handlers may copy a cached prefix (runner.add
+-> load_slot). A compute asked for from any other thread runs on a short-lived thread that ends right after it,
+taking its pool with it. Those computes (cache shifts, prefix copies, vision towers) happen per request, not per
+token: a thread start costs far less than they do. The runner's embeddings and rerank scores, whose whole
+request is one compute, are instead handed to the thread that computes its batches (Runner.submit_compute).
+Computes of one backend are serialized by its compute lock either way.
 """
 
 from __future__ import annotations
