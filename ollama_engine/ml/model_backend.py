@@ -180,12 +180,12 @@ class Backend:
         partially offloaded 8B's 512-token prompt: ~100 tokens/s there against ~1600 on an H200). Pinned,
         they cross to the GPU at its DMA speed. None (no GPU used, op offload off, or a GPU without pinned
         memory: RPC): the CPU's own buffer types, repacked where ggml has a faster layout."""
-        if not self.op_offload:
-            return None
-        for device in self.layer_devices:
-            if device is not self.cpu:
-                return ggml_backend.host_buffer_type(device.handle)
-        return None
+        return self._pinned_host_type() if self.op_offload else None
+
+    def _pinned_host_type(self):
+        """The pinned host memory type of the first GPU that holds layers (CUDA_Host); None without one."""
+        gpu = next((device for device in self.layer_devices if device is not self.cpu), None)
+        return ggml_backend.host_buffer_type(gpu.handle) if gpu is not None else None
 
     def layer_device(self, layer: int) -> Device:
         """Device of a repeating layer, or of the output layer for index block_count."""
@@ -396,11 +396,7 @@ class Backend:
         the CPU's split and the GPU's (the token embeddings each step) are copied by DMA, asynchronously, not
         staged through pageable memory. Otherwise ggml's CPU type with every tensor on a cache line (ggml's
         own aligns to 32 bytes)."""
-        for device in self.compute_devices[:-1]:
-            pinned = ggml_backend.host_buffer_type(device.handle)
-            if pinned is not None:
-                return pinned
-        return ggml_backend.cpu_cache_line_buffer_type()
+        return self._pinned_host_type() or ggml_backend.cpu_cache_line_buffer_type()
 
     def reserve(self, graph) -> None:
         """Make room for this graph's compute buffers (fit: only measure); Graph keeps the maximum."""

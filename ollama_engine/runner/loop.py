@@ -24,6 +24,7 @@ whose slot is full is shifted (or ended with DoneReason.LENGTH if the request fo
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import threading
@@ -100,12 +101,16 @@ class Runner:
         """Most rows of a batch holding drafts (0: no exact speculation for this model; runner/speculate.py)."""
         self.model.graphs.verify_row_limits = matmul_row_limits(self.model) if self.spec_rows > 1 else None
         self.step_cost = StepCost()
-        self.inline = loaded.model.backend.fills_cpus() if inline is None else inline
-        """The builder computes every batch itself (see the module's docstring); None chose it by the CPUs."""
-        self._compute = None if self.inline else ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
-        self._queued: list[tuple[Callable[[], object], Future]] = []
+        inline = loaded.model.backend.fills_cpus() if inline is None else inline  # None: chosen by the CPUs
+        self._compute = None if inline else ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self._queued: collections.deque[tuple[Callable[[], object], Future]] = collections.deque()
         """Inline: the computes submit_compute was asked for, run by the builder between batches (under cond)."""
         self._builder = threading.Thread(target=self._run, name="batch-builder", daemon=True)
+
+    @property
+    def inline(self) -> bool:
+        """The builder computes every batch itself, with no compute thread (see the module's docstring)."""
+        return self._compute is None
 
     @property
     def num_ctx(self) -> int:
@@ -122,7 +127,7 @@ class Runner:
         if self._compute is not None:
             self._compute.shutdown(wait=True)
         with self.cond:
-            queued, self._queued = self._queued, []
+            queued, self._queued = self._queued, collections.deque()
         for _, future in queued:
             future.set_exception(RuntimeError("the runner closed before the compute ran"))
 
@@ -151,7 +156,7 @@ class Runner:
             with self.cond:
                 if not self._queued:
                     return
-                work, future = self._queued.pop(0)
+                work, future = self._queued.popleft()
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(work())
