@@ -37,6 +37,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from ollama_engine import envconfig
 from ollama_engine.kvcache import Batch
 from ollama_engine.ml import compute_here
 from ollama_engine.models import Graph
@@ -82,7 +83,8 @@ class BatchState:
 class Runner:
     """Serves completions from a committed model; start() launches the threads, close() stops them."""
 
-    def __init__(self, loaded: LoadedModel, on_fatal: Callable[[BaseException], None], inline: bool | None = None):
+    def __init__(self, loaded: LoadedModel, on_fatal: Callable[[BaseException], None], inline: bool | None = None,
+                 stream_interval: float | None = None):
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.model.tokenizer
@@ -101,6 +103,10 @@ class Runner:
         """Most rows of a batch holding drafts (0: no exact speculation for this model; runner/speculate.py)."""
         self.model.graphs.verify_row_limits = matmul_row_limits(self.model) if self.spec_rows > 1 else None
         self.step_cost = StepCost()
+        self.stream_interval = envconfig.stream_interval() if stream_interval is None else stream_interval
+        """A sequence's tokens sampled within this many seconds of its last line go out together in the next line
+        (README, OLLAMA_ENGINE_STREAM_INTERVAL): one write and one wake-up of the reader for several tokens where
+        decoding is faster than the interval; 0 sends each token as it comes."""
         inline = loaded.model.backend.fills_cpus() if inline is None else inline  # None: chosen by the CPUs
         self._compute = None if inline else ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self._queued: collections.deque[tuple[Callable[[], object], Future]] = collections.deque()
@@ -221,7 +227,7 @@ class Runner:
         self.seqs[index] = None
         seq.sink(None)
 
-    def _flush(self, seq: Sequence) -> bool:
+    def _flush(self, seq: Sequence, now: float = 0.0) -> bool:
         """Send the pending text; False if the client has gone."""
         text, logprobs = seq.output.flush()
         if not text:
@@ -229,7 +235,15 @@ class Runner:
         if seq.quit.is_set():
             return False
         seq.sink(Piece(text, logprobs))
+        seq.sent_at = now
         return True
+
+    def _send_held(self, now: float) -> None:
+        """The text the stream interval holds back, sent before a step that may be long (it computes a prompt's
+        rows), so that no token waits for more than the interval and a decode step (under cond)."""
+        for seq in self.seqs:
+            if seq is not None and seq.output.pieces and not seq.output.must_hold():
+                self._flush(seq, now)  # a client gone is noticed when the next batch is formed
 
     # ------------------------------------------------------------ the loop
 
@@ -406,6 +420,9 @@ class Runner:
         try:
             placeholders = self._advance(state)
             state.graph.bind(state.batch)
+            if len(state.batch.outputs) < len(state.batch) and self.stream_interval:  # a prompt's rows
+                with self.cond:
+                    self._send_held(time.monotonic())
             state.compute_started.set()
             fresh = state.graph.ctx.allocations == 0  # its first run lays out (and may grow) the compute buffers
             started = time.monotonic()
@@ -589,9 +606,9 @@ class Runner:
         if complete:
             self._remove(index, DoneReason.STOP)
             return None
-        if seq.output.must_hold():
+        if seq.output.must_hold() or now - seq.sent_at < self.stream_interval:
             return token
-        if not self._flush(seq):
+        if not self._flush(seq, now):
             self._remove(index, DoneReason.CONNECTION_CLOSED)
             return None
         return token

@@ -94,6 +94,10 @@ class Sequence:
     spec: Speculator | None = None
     """Its n-gram speculation, if the request asked for it and the model allows it exactly."""
 
+    sent_at: float = 0.0
+    """When its text last went to the sink (time.monotonic()): tokens sampled within the runner's stream interval
+    after it are held and go together."""
+
     # metrics, from time.monotonic()
     started_at: float | None = None
     last_updated_at: float = 0.0
