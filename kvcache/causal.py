@@ -264,6 +264,8 @@ class Causal:
                 for span in spans:  # give back the cells of the sequences placed before
                     self._used[locs[span.begin : span.begin + span.count]] = False
                 raise
+        # not with flash attention: ggml's CPU kernel splits a lone query row's history of 512 cells or more
+        # between its threads, and a stacked op's rows would be summed in another order than alone
         if not reserve and not self._backend.flash_attention and len(spans) > 1:
             spans = _stacked(spans)
         self._batch, self._reserve, self._except = batch, reserve, None
