@@ -115,6 +115,32 @@ def test_logprobs_follow_stop_truncation(pieces, stop, expected):
     assert cut.pieces_removed == len(pieces) - len(expected)
 
 
+def flush(pending: PendingOutput) -> tuple[str, list]:
+    """Everything pending, as the runner sends it when a sequence ends."""
+    pending.seal()
+    return pending.take()
+
+
+def test_sealed_groups_keep_their_text_however_sends_are_grouped():
+    """A broken character drops the text of its own group only: sent alone or together with the tokens
+    before it (the stream interval's grouping), the same text and logprobs come out."""
+    tokens = [(b" singles", -1.0), (b"\xe2", -2.0), (b" Buffer", -3.0), (b" x", -4.0)]
+    results = []
+    for group in (1, 2, 4):  # tokens taken per send
+        pending, text, logprobs = PendingOutput.for_stops([]), "", []
+        for i, (piece, value) in enumerate(tokens, 1):
+            pending.add(piece, [logprob(piece.decode(errors="replace"), value)])
+            if not pending.must_hold():
+                pending.seal()
+            if i % group == 0:
+                sent, lps = pending.take()
+                text, logprobs = text + sent, logprobs + [lp["logprob"] for lp in lps]
+        sent, lps = flush(pending)
+        results.append((text + sent, logprobs + [lp["logprob"] for lp in lps]))
+    assert results[0] == (" singles x", [-1.0, -4.0])
+    assert results[1] == results[0] and results[2] == results[0]
+
+
 def test_pending_output_streams_like_the_runner():
     """Simulate the runner's per-token decisions on a stream that ends in a split stop sequence."""
     pending = PendingOutput.for_stops(["<|end|>"])
@@ -124,7 +150,7 @@ def test_pending_output_streams_like_the_runner():
         pending.add(piece)
         cut = pending.cut_at_stop()
         if cut is None and not pending.must_hold():
-            text, _ = pending.flush()
+            text, _ = flush(pending)
             sent.append(text)
         return cut
 
@@ -138,7 +164,7 @@ def test_pending_output_streams_like_the_runner():
     # " <|en" is shortened to " " and "d|> tail" is dropped.
     assert cut == StopCut(stop=b"<|end|>", pieces_removed=1, token_truncated=True)
     assert sent == ["Hi", " \u20ac", " <|x"]
-    assert pending.flush() == (" ", [])
+    assert flush(pending) == (" ", [])
 
 
 def test_pending_flush_takes_everything_and_drops_a_broken_tail():
@@ -146,11 +172,11 @@ def test_pending_flush_takes_everything_and_drops_a_broken_tail():
     pending.add(b"ab", [logprob("ab", -0.5)])
     pending.add(b"\xe2\x82", [logprob("?", -1.0)])
     assert pending.must_hold()
-    text, logprobs = pending.flush()
+    text, logprobs = flush(pending)
     assert text == "ab"
     assert [lp["token"] for lp in logprobs] == ["ab", "?"]
     assert pending.pieces == [] and pending.logprobs == []
-    assert pending.flush() == ("", [])
+    assert flush(pending) == ("", [])
 
 
 def test_pending_without_logprobs_keeps_none():
@@ -160,7 +186,7 @@ def test_pending_without_logprobs_keeps_none():
     cut = pending.cut_at_stop()
     assert cut == StopCut(stop=b"!", pieces_removed=1, token_truncated=False)
     assert pending.logprobs == []
-    assert pending.flush() == ("Hi", [])
+    assert flush(pending) == ("Hi", [])
 
 
 def test_stop_strings_are_matched_as_utf8():
@@ -170,4 +196,4 @@ def test_stop_strings_are_matched_as_utf8():
     pending.add("t\u00e9 chaud".encode())
     cut = pending.cut_at_stop()
     assert cut == StopCut(stop="\u00e9t\u00e9".encode(), pieces_removed=1, token_truncated=True)
-    assert pending.flush() == ("un ", [])
+    assert flush(pending) == ("un ", [])

@@ -217,6 +217,7 @@ class Runner:
     def _remove(self, index: int, reason: DoneReason) -> None:
         seq = self.seqs[index]
         assert seq is not None and seq.slot is not None
+        seq.output.seal()
         self._flush(seq)
         if seq.spec is not None and seq.spec.drafted:
             log.info("speculation: %d of %d drafted tokens accepted (%.0f%%) in %d steps, %d tokens generated",
@@ -228,8 +229,8 @@ class Runner:
         seq.sink(None)
 
     def _flush(self, seq: Sequence, now: float = 0.0) -> bool:
-        """Send the pending text; False if the client has gone."""
-        text, logprobs = seq.output.flush()
+        """Send the ready text; False if the client has gone."""
+        text, logprobs = seq.output.take()
         if not text:
             return True
         if seq.quit.is_set():
@@ -242,7 +243,7 @@ class Runner:
         """The text the stream interval holds back, sent before a step that may be long (it computes a prompt's
         rows), so that no token waits for more than the interval and a decode step (under cond)."""
         for seq in self.seqs:
-            if seq is not None and seq.output.pieces and not seq.output.must_hold():
+            if seq is not None and seq.output.ready:
                 self._flush(seq, now)  # a client gone is noticed when the next batch is formed
 
     # ------------------------------------------------------------ the loop
@@ -606,7 +607,10 @@ class Runner:
         if complete:
             self._remove(index, DoneReason.STOP)
             return None
-        if seq.output.must_hold() or now - seq.sent_at < self.stream_interval:
+        if seq.output.must_hold():
+            return token
+        seq.output.seal()
+        if now - seq.sent_at < self.stream_interval:
             return token
         if not self._flush(seq, now):
             self._remove(index, DoneReason.CONNECTION_CLOSED)

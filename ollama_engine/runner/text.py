@@ -89,12 +89,18 @@ class PendingOutput:
     """Generated text and logprobs of one sequence that have not been sent to the client yet.
 
     Per sampled token the runner calls `add`, then ends the sequence if `cut_at_stop` finds a stop,
-    keeps waiting while `must_hold`, and otherwise sends what `flush` returns.
+    keeps waiting while `must_hold`, and otherwise `seal`s the pending pieces into text that is ready;
+    `take` hands the ready text over when the stream interval lets it go. Sealing at every token where
+    nothing needs holding, not at each send, keeps the text the same however the sends are grouped:
+    the valid UTF-8 prefix is cut per sealed group (as Ollama cuts each line), never across a group
+    that another timing would have sent alone.
     """
 
     stops: list[bytes]
     pieces: list[bytes] = field(default_factory=list)
     logprobs: list[Logprob] = field(default_factory=list)
+    ready: list[str] = field(default_factory=list)
+    ready_logprobs: list[Logprob] = field(default_factory=list)
 
     @classmethod
     def for_stops(cls, stops: Sequence[str]) -> "PendingOutput":
@@ -120,13 +126,21 @@ class PendingOutput:
         joined = b"".join(self.pieces)
         return contains_stop_suffix(joined, self.stops) or incomplete_utf8(joined)
 
-    def flush(self) -> tuple[str, list[Logprob]]:
-        """Take everything pending: the text (its valid UTF-8 prefix) and the logprobs.
+    def seal(self) -> None:
+        """Move the pending pieces to the ready text: their valid UTF-8 prefix, with their logprobs.
 
-        The runner sends nothing when the text is empty, as Ollama does, logprobs included.
+        A group whose text is empty is dropped, logprobs included, as Ollama sends nothing for it.
         """
         text = decode_valid_prefix(b"".join(self.pieces))
-        logprobs = self.logprobs
+        if text:
+            self.ready.append(text)
+            self.ready_logprobs.extend(self.logprobs)
         self.pieces = []
         self.logprobs = []
+
+    def take(self) -> tuple[str, list[Logprob]]:
+        """The ready text and its logprobs, which leave the output."""
+        text, logprobs = "".join(self.ready), self.ready_logprobs
+        self.ready = []
+        self.ready_logprobs = []
         return text, logprobs
