@@ -30,7 +30,9 @@ class Segment:
     key (k_head_dim, kv_heads, history), value (v_head_dim, kv_heads, history) or with permuted V
     (history, v_head_dim, kv_heads), mask (history, count): 0 where a row may attend, -inf where not.
     apart: each row attends as a one-row batch would (rows verifying drafts, `Batch.apart`), with this history,
-    which is the one each row alone gets (only without flash attention; with it, such rows are segments of one).
+    which is the one each row alone gets (only without flash attention; with it, such rows are segments of one);
+    or one row of each of several sequences (decode steps), whose histories key and value then hold along a
+    fourth dimension (k_head_dim, kv_heads, history, rows).
     """
 
     begin: int

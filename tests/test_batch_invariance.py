@@ -139,3 +139,50 @@ def test_multi_sequence_batches_match_llama_cpp(smollm2_path, flash):
     """Two sequences in every batch (prompts of different lengths, then decoding side by side), fed to
     llama.cpp with one KV stream per sequence: the same logits, batch for batch."""
     compare_schedule(smollm2_path, flash=flash, cache_type="f16", sequences=2)
+
+
+# ---------------------------------------------------------------- decode rows of several sequences stacked
+
+
+def decode_four(path: Path) -> tuple[list, list]:
+    """Four sequences' prompts, then three decode steps of all four in one batch: the steps' logits and layouts."""
+    import numpy as np
+
+    from ollama_engine.kvcache import Batch
+
+    loaded = open_model(str(path), LoadParams(parallel=4, batch_size=64, kv_size=2048, num_threads=THREADS),
+                        allocate=True)
+    try:
+        loaded.model.backend.load()
+        graphs = loaded.model.graphs
+        prompts = [[1, 5, 9, 13, 40], [1, 7, 8], [1, 22, 33, 44, 55, 66, 77], [1, 100]]
+        for seq, prompt in enumerate(prompts):
+            graphs.compute(Batch(tokens=prompt, positions=range(len(prompt)), sequences=[seq] * len(prompt),
+                                 outputs=[len(prompt) - 1]))
+        logits, layouts = [], []
+        for step in range(3):
+            batch = Batch(tokens=[200 + 10 * step + seq for seq in range(4)], sequences=range(4), outputs=range(4),
+                          positions=[len(prompt) + step for prompt in prompts])
+            logits.append(np.array(graphs.compute(batch)))
+            layouts.append(graphs._current.key[0])
+        return logits, layouts
+    finally:
+        loaded.close()
+
+
+@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
+def test_decode_rows_stacked_compute_what_separate_segments_compute(model, smollm2_path, gemma3_path, monkeypatch):
+    """Four sequences' decode rows attend in one set of products, each in a slice of its own (kvcache.causal's
+    stacking): bitwise what one set of products per sequence computes (Gemma 3: its sliding-window cache too)."""
+    import numpy as np
+
+    import ollama_engine.kvcache.causal as causal
+
+    path = {"smollm2": smollm2_path, "gemma3": gemma3_path}[model]
+    stacked, layouts = decode_four(path)
+    assert all("(4, 0," in str(layout) for layout in layouts), layouts  # one segment of four rows per cache
+    monkeypatch.setattr(causal, "_stacked", lambda spans: spans)
+    separate, layouts = decode_four(path)
+    assert all("(4, 0," not in str(layout) for layout in layouts), layouts
+    for a, b in zip(stacked, separate, strict=True):
+        np.testing.assert_array_equal(a, b)

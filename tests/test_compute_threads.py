@@ -238,7 +238,7 @@ def test_one_stream_after_four_shifted_streams(loaded):
         cache.prepare, cache.copy_prefix = prepare, copy_prefix
     assert not errors
     # the KV view: the slot's own cells, no longer than the first stream's (both later streams)
-    for seq, ((_, start, length, _),) in later:
+    for seq, ((_, start, length, _, _),) in later:
         assert seq * region <= start and start + length <= (seq + 1) * region
     # (how many one-row steps each stream took depends on where exact reuse resumed its prompt: CPU-dependent)
     decode_lengths = {layout[0][2] for _, layout in first if layout[0][0] == 1}

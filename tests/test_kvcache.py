@@ -56,8 +56,8 @@ def identity_shift(ctx, layer, key, delta):
 
 
 def new_cache(backend: Backend, cache: Causal, permuted_v: bool, max_sequences: int = 1, max_batch: int = 16,
-              capacity: int = 16) -> Causal:
-    cache.set_config(CacheConfig(permuted_v=permuted_v))
+              capacity: int = 16, padding: int = 1) -> Causal:
+    cache.set_config(CacheConfig(permuted_v=permuted_v, padding=padding))
     cache.init(backend, DType.F16, max_sequences, capacity, max_batch)
     return cache
 
@@ -94,15 +94,20 @@ def forward_all(backend: Backend, cache: Causal, values, shape, sequences, posit
         cache.set_layer(0)
         tensor = ctx.input().from_numpy(np.asarray(values, dtype=np.float32).reshape(shape[::-1]))
         cache.put(ctx, tensor, tensor)
-        segments = [(s.key, s.value.contiguous(), s.mask) for s in cache.get(ctx)]
+        segments = [(s.key.contiguous(), s.value.contiguous(), s.mask) for s in cache.get(ctx)]
         ctx.compute(*(t for segment in segments for t in segment))
         results = []
         for key, packed_value, mask in segments:
-            value_data = packed_value.numpy().reshape(packed_value.ne[2::-1])
-            if cache.config.permuted_v:  # (kv_heads, head_dim, history) -> (history, kv_heads, head_dim)
-                value_data = value_data.transpose(2, 0, 1)
-            results.append((key.numpy().reshape(key.ne[2::-1]), key.shape, value_data,
-                            mask.numpy().reshape(mask.ne[1], -1)))
+            # a segment of several sequences' decode steps (stacked) holds each one's history along dimension 3:
+            # read back per sequence, as separate segments would be
+            keys, values = key.numpy().reshape(key.ne[::-1]), packed_value.numpy().reshape(packed_value.ne[::-1])
+            masks = mask.numpy().reshape(mask.ne[1], -1)
+            stacked = key.ne[3] > 1
+            for row in range(key.ne[3]):
+                value_data = values[row]
+                if cache.config.permuted_v:  # (kv_heads, head_dim, history) -> (history, kv_heads, head_dim)
+                    value_data = value_data.transpose(2, 0, 1)
+                results.append((keys[row], key.shape[:3], value_data, masks[row : row + 1] if stacked else masks))
         return results
 
 
@@ -393,7 +398,7 @@ def test_reserve_leaves_bookkeeping(backend):
     cache = new_cache(backend, Causal(), False)
     store(backend, cache, [0, 1])
     layout = cache.prepare(Batch(positions=list(range(16)), sequences=[0] * 16), reserve=True)
-    assert layout == ((16, 0, cache.cells, False),)  # the whole region is the worst-case history
+    assert layout == ((16, 0, cache.cells, False, 0),)  # the whole region is the worst-case history
     key, *_ = forward(backend, cache, [5.0], (1, 1, 1), [0], [2])
     np.testing.assert_array_equal(key.reshape(-1), [0, 1, 5])  # the reserve batch stored nothing
 
@@ -508,7 +513,7 @@ def test_padding_and_graph_reuse(backend):
     ctx = backend.new_context()
     try:
         layout = cache.prepare(Batch(positions=[3], sequences=[0]))
-        assert layout == ((1, 0, 256, False),)
+        assert layout == ((1, 0, 256, False, 0),)
         cache.bind(ctx)
         cache.set_layer(0)
         token = np.full((1, 1, 1), 30.0, dtype=np.float32)
@@ -562,7 +567,7 @@ def test_wrapper_unwinds_on_failure(backend):
     small.init(backend, DType.F16, 1, 2, 4)
     with pytest.raises(CacheFullError):
         wrapper.prepare(Batch(positions=[0, 1, 2], sequences=[0, 0, 0]))
-    assert large.prepare(Batch(positions=[0], sequences=[0])) == ((1, 0, 1, False),)  # the first cache emptied again
+    assert large.prepare(Batch(positions=[0], sequences=[0])) == ((1, 0, 1, False, 0),)  # the first cache emptied again
 
 
 def reference_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
@@ -804,3 +809,24 @@ def test_value_in_key_quantized_needs_flash_attention(backend, fa_backend):
         cache.start_forward(ctx, Batch(positions=[0], sequences=[0]))
         assert cache.rotations(ctx, 64, 32) == (None, None)  # llama.cpp rotates no MLA cache
     cache.close()
+
+
+def test_decode_steps_of_several_sequences_stack_into_one_segment(backend, fa_backend):
+    """One row of each of several sequences whose histories lie alike in their regions (the same length, at a
+    regular distance) is one segment apart, each row's history a region further on; a row whose history differs,
+    or flash attention, keeps its own segment. Values and masks per sequence: test_sequences and its neighbours."""
+    cache = new_cache(backend, Causal(), False, max_sequences=4, padding=16)  # a history is a whole region
+    region = cache.region
+    for seq, length in ((0, 2), (1, 3), (2, 1), (3, 9)):
+        store(backend, cache, list(range(length)), seq)
+    assert cache.prepare(Batch(positions=[2, 3, 1], sequences=[0, 1, 2])) == ((3, 0, region, True, region),)
+    # sequences 0 and 2: two regions apart; 3's history is longer (another length): a segment of its own
+    layout = cache.prepare(Batch(positions=[3, 2, 9], sequences=[0, 2, 3]))
+    assert layout[0] == (2, 0, region, True, 2 * region) and layout[1][0] == 1 and not layout[1][3]
+    # a prompt's rows are not stacked
+    assert len(cache.prepare(Batch(positions=[4, 5, 4], sequences=[0, 0, 1]))) == 2
+
+    flash = new_cache(fa_backend, Causal(), False, max_sequences=2, padding=16)
+    for seq in (0, 1):
+        store(fa_backend, flash, [0, 1], seq)
+    assert len(flash.prepare(Batch(positions=[2, 2], sequences=[0, 1]))) == 2
