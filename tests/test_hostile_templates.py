@@ -196,13 +196,15 @@ async def _hostile_chat_while_polling(url: str, model: str) -> tuple[int, dict, 
 @pytest.mark.skipif(sys.platform != "linux", reason="serve subprocess test")
 def test_serve_answers_others_during_a_hostile_render(tmp_path: Path) -> None:
     """Item 3 end to end: a GGUF whose chat template recurses 2^40 times. The chat is a 500 naming the step
-    bound; /api/version answers within 100 ms all the while; then serve still renders ordinary chats."""
+    bound; /api/version answers all the while (within 0.5 s); then serve still renders ordinary chats."""
     hostile = with_chat_template(assets.stories(), tmp_path / "hostile.gguf", RECURSION)
     nested = with_chat_template(assets.stories(), tmp_path / "nested.gguf", NESTED_LOOPS)
     with serve_process(tmp_path / "models") as url:
         status, body, latencies = asyncio.run(_hostile_chat_while_polling(url, str(hostile)))
         assert status == 500 and "template error" in body["error"] and f"{limits.MAX_STEPS} steps" in body["error"]
-        assert latencies and max(latencies) < 0.1, latencies
+        # a blocked event loop answers once, after the whole render (~1 s or more); 0.5 s leaves room for a loaded
+        # 2-core machine (0.1 s failed there under a full test run)
+        assert len(latencies) >= 3 and max(latencies) < 0.5, latencies
         status, body, _ = asyncio.run(_hostile_chat_while_polling(url, str(nested)))
         assert status == 500 and f"{limits.MAX_STEPS} steps" in body["error"]
         assert len(latencies) >= 3  # the recursion ran long enough to be watched
