@@ -17,8 +17,6 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from aiohttp import web
-
 from ollama_engine import envconfig
 from ollama_engine.image import ImageError
 from ollama_engine.ml import NoMemory, gpu_devices
@@ -29,7 +27,9 @@ from ollama_engine.runner.loop import Runner
 from ollama_engine.runner.sequence import InputTooLongError
 from ollama_engine.sample import GrammarError
 
+from . import httpd
 from .direct import DirectStream
+from .httpd import Request, Response, StreamResponse, text_response
 from .wire import (
     CompletionRequest,
     Float32,
@@ -51,16 +51,13 @@ log = logging.getLogger(__name__)
 MAX_BODY = 1 << 30  # Go's server has no limit; prompts with images can be large
 
 
-def text_error(status: int, message: str) -> web.Response:
+def text_error(status: int, message: str) -> Response:
     """Go's http.Error."""
-    return web.Response(
-        status=status, text=message + "\n", content_type="text/plain", charset="utf-8",
-        headers={"X-Content-Type-Options": "nosniff"},
-    )
+    return text_response(status, message)
 
 
-def json_response(value: Any) -> web.Response:
-    return web.Response(body=encode(value), content_type="application/json")
+def json_response(value: Any) -> Response:
+    return Response(body=encode(value))
 
 
 def exit_on_fatal(err: BaseException) -> None:
@@ -132,22 +129,26 @@ class RunnerServer:
         self._commit_task: asyncio.Task | None = None
         self._inbox: LoopInbox | None = None  # made in the event loop, at the first completion
 
-    def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY)
-        app.router.add_get("/info", self.info)
-        app.router.add_post("/load", self.load)
-        app.router.add_post("/completion", self.completion)
-        app.router.add_post("/embedding", self.embedding)
-        app.router.add_post("/rerank", self.rerank)
-        app.router.add_get("/health", self.health)
-        return app
+    def routes(self) -> httpd.Routes:
+        return {
+            ("GET", "/info"): self.info,
+            ("POST", "/load"): self.load,
+            ("POST", "/completion"): self.completion,
+            ("POST", "/embedding"): self.embedding,
+            ("POST", "/rerank"): self.rerank,
+            ("GET", "/health"): self.health,
+        }
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> asyncio.Server:
+        """Answer on host:port from the running event loop (port 0: any free one) until the server is closed."""
+        return await httpd.start(self.routes(), host, port, MAX_BODY)
 
     # ------------------------------------------------------------ /health and /info
 
-    async def health(self, request: web.Request) -> web.Response:
+    async def health(self, request: Request) -> Response:
         return json_response(health_response(self.status, self.progress))
 
-    async def info(self, request: web.Request) -> web.Response:
+    async def info(self, request: Request) -> Response:
         try:
             infos = await asyncio.to_thread(self._gpu_infos)
         except Exception as err:
@@ -172,7 +173,7 @@ class RunnerServer:
 
     # ------------------------------------------------------------ /load
 
-    async def load(self, request: web.Request) -> web.Response:
+    async def load(self, request: Request) -> Response:
         async with self.load_lock:
             if self.status != ServerStatus.LAUNCHED:
                 return text_error(500, "model already loaded")
@@ -239,7 +240,7 @@ class RunnerServer:
 
     # ------------------------------------------------------------ /completion and /embedding
 
-    async def completion(self, request: web.Request) -> web.StreamResponse:
+    async def completion(self, request: Request) -> Response:
         try:
             req = CompletionRequest.from_json(await request.read())
         except WireError:
@@ -269,8 +270,7 @@ class RunnerServer:
             slots.release()
             return text_error(500, str(err))
 
-        response = web.StreamResponse(headers={"Content-Type": "application/json"})
-        response.enable_chunked_encoding()
+        response = StreamResponse()
         try:
             await response.prepare(request)
             while (item := await stream.get()) is not None:
@@ -301,7 +301,7 @@ class RunnerServer:
             seq.quit.set()  # a no-op once the sequence has ended; otherwise the loop ends it
         return response
 
-    async def embedding(self, request: web.Request) -> web.Response:
+    async def embedding(self, request: Request) -> Response:
         await self.ready.wait()
         loaded = self.loaded
         assert loaded is not None
@@ -313,7 +313,7 @@ class RunnerServer:
             return text_error(400, f"bad request: {err}")
         return await self._pooled(lambda: embed(loaded.model, content, loaded.input_cache.num_ctx))
 
-    async def rerank(self, request: web.Request) -> web.Response:
+    async def rerank(self, request: Request) -> Response:
         """Ours (Ollama's runner has none): a reranker's scores for one query/document pair, as /embedding's
         `embedding`; the first is llama-server's relevance_score."""
         await self.ready.wait()
@@ -327,7 +327,7 @@ class RunnerServer:
             return text_error(400, f"bad request: {err}")
         return await self._pooled(lambda: rerank(loaded.model, query, document, loaded.input_cache.num_ctx))
 
-    async def _pooled(self, compute: Callable[[], Embedding]) -> web.Response:
+    async def _pooled(self, compute: Callable[[], Embedding]) -> Response:
         """One pooled forward pass in a slot: {"embedding": [...], "prompt_eval_count": n}.
 
         It runs on the batch loop's compute thread, which keeps its OpenMP pool between computes: on another
@@ -348,4 +348,4 @@ def serve(model_path: str | None, host: str, port: int) -> None:
     """Run the runner's HTTP server until the process is stopped."""
     log.info("starting ollama engine")
     server = RunnerServer(model_path)
-    web.run_app(server.app(), host=host, port=port, handler_cancellation=True, print=None, access_log=None)
+    httpd.run(server.routes(), host, port, MAX_BODY)

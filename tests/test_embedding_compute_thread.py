@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from runner_client import runner_client
 from synthetic.models import write_synthetic
 from test_compute_threads import THREADS, LongLived, steady
 
@@ -50,7 +50,7 @@ def serve_and_count(path: Path, route: str, bodies: list[dict]) -> tuple[list[tu
         server = RunnerServer(str(path))
         counts = [steady()]
         try:
-            async with TestClient(TestServer(server.app())) as client:
+            async with runner_client(server) as client:
                 for operation in (0, 1, 2):
                     response = await client.post("/load", data=json.dumps({**LOAD, "Operation": operation}))
                     assert response.status == 200, await response.text()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from runner_client import runner_client
 from synthetic.models import write_synthetic
 
 from ollama_engine.models import load_model
@@ -105,7 +105,7 @@ def serve(path: Path, requests: list[tuple[str, bytes]]) -> list[tuple[int, byte
     async def run():
         server = RunnerServer(str(path))
         try:
-            async with TestClient(TestServer(server.app())) as client:
+            async with runner_client(server) as client:
                 for operation in (0, 1, 2):
                     response = await client.post("/load", data=json.dumps({**LOAD, "Operation": operation}))
                     assert response.status == 200, await response.text()

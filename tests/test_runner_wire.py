@@ -10,9 +10,9 @@ import time
 
 import numpy as np
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import given
 from hypothesis import strategies as st
+from runner_client import runner_client
 
 from ollama_engine.ml import DeviceID
 from ollama_engine.ml import device as device_module
@@ -210,7 +210,7 @@ def test_completion_request_rejects(body):
 
 def call(server: RunnerServer, method: str, path: str, body: bytes | None = None):
     async def run():
-        async with TestClient(TestServer(server.app())) as client:
+        async with runner_client(server) as client:
             response = await client.request(method, path, data=body)
             return response.status, response.headers.get("Content-Type"), await response.read()
 
