@@ -1,7 +1,7 @@
 """Model definitions, imported as ollama_engine.models: one file per architecture, and the registry.
 
 `load_model(path)` opens a GGUF file, picks the architecture by general.architecture (`<arch>_embed`
-for pooling models; every module of this package is imported, and an architecture's registers itself),
+for pooling models; its module is imported then, and an architecture registers itself: `architectures()`),
 and builds the backend (weights placed and, unless fitting, allocated but not yet read: call
 `model.backend.load()`), the tokenizer, the model and its cache (not yet sized: the caller knows the
 context and batch sizes and calls `model.cache.init`).
@@ -9,9 +9,7 @@ context and batch sizes and calls `model.cache.init`).
 
 from __future__ import annotations
 
-import importlib
 import os
-import pkgutil
 from collections.abc import Iterable
 
 from ollama_engine.fs import GGUFFile
@@ -19,18 +17,8 @@ from ollama_engine.kvcache import Batch
 from ollama_engine.ml import Backend, Context, GPULayers, Tensor
 from ollama_engine.tokenizer import Tokenizer, from_metadata
 
-from .base import REGISTRY, Model, ModelError, bind, model_class, register, registry_name, require_uint, weight
+from .base import Model, ModelError, architectures, bind, model_class, register, registry_name, require_uint, weight
 from .graphs import Graph, Graphs
-
-
-def _import_architectures() -> None:
-    """Import every module of this package: each architecture's registers itself (base.register), so a new
-    architecture is its file alone; shared modules (layers, moe, sliding...) register nothing."""
-    for module in pkgutil.iter_modules(__path__):
-        importlib.import_module(f"{__name__}.{module.name}")
-
-
-_import_architectures()
 
 
 def load_model(
@@ -98,6 +86,6 @@ def forward(model: Model, ctx: Context, batch: Batch) -> Tensor | None:
 
 
 __all__ = [
-    "REGISTRY", "Graph", "Graphs", "Model", "ModelError", "bind", "forward", "load_model", "model_class", "register",
-    "registry_name", "require_uint", "weight",
+    "Graph", "Graphs", "Model", "ModelError", "architectures", "bind", "forward", "load_model", "model_class",
+    "register", "registry_name", "require_uint", "weight",
 ]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ollama_engine.models import REGISTRY
+from ollama_engine.models import architectures
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 LONGEST_FORWARD = 60
@@ -16,7 +16,7 @@ LONGEST_FORWARD = 60
 
 def architecture_modules() -> set[str]:
     """The modules of models/ that register an architecture."""
-    return {cls.__module__.rsplit(".", 1)[-1] for cls in REGISTRY.values()}
+    return {cls.__module__.rsplit(".", 1)[-1] for cls in architectures().values()}
 
 
 def sibling_imports(path: Path, architectures: set[str]) -> set[str]:

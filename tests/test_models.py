@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import io
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +17,7 @@ from ollama_engine.fs import Config, GGUFFile
 from ollama_engine.generate import generate, prefill
 from ollama_engine.kvcache import Batch
 from ollama_engine.ml import Backend, DType
-from ollama_engine.models import REGISTRY, ModelError, bind, load_model, model_class, registry_name
+from ollama_engine.models import ModelError, architectures, bind, load_model, model_class, registry_name
 from ollama_engine.models.layers import LlamaLayer
 from ollama_engine.models.llama import Llama
 from ollama_engine.models.options import Options
@@ -59,7 +61,43 @@ def prompt_batch(tokens: list[int], start: int = 0, outputs=None) -> Batch:
 
 
 def test_registry_serves_the_three_architectures():
-    assert {"llama": Llama, "qwen2": Qwen2, "qwen3": Qwen3}.items() <= REGISTRY.items()
+    assert {"llama": Llama, "qwen2": Qwen2, "qwen3": Qwen3}.items() <= architectures().items()
+
+
+def test_a_fresh_process_imports_only_the_architecture_it_loads(tmp_path):
+    """A runner's start imports the file's architecture module alone; an architecture served by a module of
+    another name and an unknown one are still found (every module is then imported); the towers are there."""
+    from synthetic.vision import VisionSpec, write_mmproj
+
+    llama_file = write_synthetic(tmp_path / "llama.gguf", "llama", weight_type="F32")
+    gemma_file = write_synthetic(tmp_path / "gemma3.gguf", "gemma3", weight_type="F32")  # served by gemma2.py
+    mmproj = write_mmproj(tmp_path / "mmproj.gguf", VisionSpec(), weight_type="F32")
+    script = f"""
+import sys
+from ollama_engine.fs import Config
+from ollama_engine.models import ModelError, load_model, model_class
+from ollama_engine.models.vision import load_vision
+
+def architecture_modules():
+    return sorted(m for m in sys.modules if m.startswith("ollama_engine.models.") and m.rsplit(".", 1)[1] in
+                  ("llama", "gemma2", "qwen3", "bert"))
+
+load_model({str(llama_file)!r}, allocate=False).close()
+print(architecture_modules())
+load_model({str(gemma_file)!r}, allocate=False).close()
+try:
+    model_class(Config({{"general.architecture": "os"}}))
+except ModelError as err:
+    print("llama," in str(err) and "qwen3," in str(err))
+print(type(load_vision({str(mmproj)!r}, allocate=False)).__name__)
+print(architecture_modules())
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    first, unknown, tower, last = result.stdout.splitlines()
+    assert first == "['ollama_engine.models.llama']"
+    assert unknown == "True" and tower == "Gemma3Vision"
+    assert last == str([f"ollama_engine.models.{m}" for m in ("bert", "gemma2", "llama", "qwen3")])
 
 
 def test_registry_name_adds_embed_for_pooling_models():

@@ -277,13 +277,15 @@ class Family:
 def families() -> dict[str, Family]:
     """Every architecture's declarations (imported here, on first use: writing a file needs no ggml bindings
     otherwise)."""
-    from ollama_engine.models import REGISTRY
+    from ollama_engine.models import architectures
     from ollama_engine.models.layers import Dense, LlamaLayer, LlamaMoeLayer, Output
     from ollama_engine.models.moe import Experts
 
+    registry = architectures()
+
     def module(arch: str) -> Any:
         """The module of the architecture's model class."""
-        return importlib.import_module(REGISTRY[arch].__module__)
+        return importlib.import_module(registry[arch].__module__)
 
     def fixed(*classes: type) -> Callable[[ModelSpec, int], tuple[type, ...]]:
         return lambda s, i: classes
@@ -318,8 +320,8 @@ def families() -> dict[str, Family]:
     found = {
         "llama": llama, "mistral3": llama, "llama4": mixed(module("llama4").Layer),
         "olmo2": fixed(module("olmo2").Olmo2Layer), "qwen2vl": fixed(module("qwen2vl").Qwen2VLLayer),
-        **{arch: fixed(REGISTRY[arch].layer_type) for arch in ("qwen2", "qwen3", "gemma2", "gemma3")},
-        **{arch: fixed(REGISTRY[arch].layer_type, Experts) for arch in ("qwen2moe", "qwen3moe")},
+        **{arch: fixed(registry[arch].layer_type) for arch in ("qwen2", "qwen3", "gemma2", "gemma3")},
+        **{arch: fixed(registry[arch].layer_type, Experts) for arch in ("qwen2moe", "qwen3moe")},
         "gpt-oss": fixed(module("gpt-oss").Layer, Experts),  # llama.cpp's names (the writer renames them for
         # Ollama's layouts)
         "deepseek2": mixed(module("deepseek2").Layer), "laguna": mixed(module("laguna").Layer),
@@ -331,7 +333,7 @@ def families() -> dict[str, Family]:
     }
     own_weights = ("laguna", "bert", "nomic-bert", "nomic-bert-moe", "lfm2", "lfm2moe", "gemma3n", "gemma4")
     outside = {arch: (module(arch).Weights,) for arch in own_weights}  # the others': layers.Output
-    return {arch: Family(REGISTRY[arch], outside.get(arch, (Output,)), layer) for arch, layer in found.items()}
+    return {arch: Family(registry[arch], outside.get(arch, (Output,)), layer) for arch, layer in found.items()}
 
 
 def declared_tensors(spec: ModelSpec, n_vocab: int) -> Iterator[tuple[str, tuple[int, ...], str]]:
