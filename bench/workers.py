@@ -358,7 +358,7 @@ def start_runner(a: WorkerArgs, num_ctx: int, parallel: int):
         result = load(handle, system_info(), gpus, total_layers, options)
         if a.gpu and result.gpu_layers.sum() < total_layers:
             raise RuntimeError(f"--gpu: only {result.gpu_layers.sum()}/{total_layers} layers were offloaded")
-        while handle.health()[0] != ServerStatus.READY:
+        while handle.health(timeout=5)[0] != ServerStatus.READY:
             if handle.exited():
                 raise RuntimeError(f"runner exited: {handle.exit_reason()}")
             time.sleep(0.01)
