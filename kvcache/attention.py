@@ -72,10 +72,16 @@ def _attend_apart(
     ctx: Context, query: Tensor, key: Tensor, value: Tensor, mask: Tensor, scale: float, permuted_v: bool,
     softcap: float, sinks: Tensor | None = None, value_projection: Tensor | None = None,
 ) -> Tensor:
-    """One sequence's rows, each computed as a one-row batch computes it (_attend), all in the same products:
-    each row in a slice of dimension 3 of its own, which ggml's matmul takes one row at a time (the dot product
-    a one-row batch takes, not the many-row kernel) and the softmax with that row's mask."""
+    """Rows (of one sequence, or one each of several: a stacked span), each computed as a one-row batch computes
+    it (_attend), all in the same products: each row in a slice of dimension 3 of its own, with its own history
+    there (key and value) and its mask, which ggml's matmul takes one row at a time (the dot product a one-row
+    batch takes, not the many-row kernel), as its fused kernel does (a row of fewer than 512 history cells)."""
     d, heads, n = query.ne[0], query.ne[1], query.ne[2]
+    if ctx.backend.flash_attention:
+        q = query.packed().reshape(d, heads, 1, n).permute(0, 2, 1, 3)  # (head_dim, 1, heads, n)
+        out = _project(_flash(q, key, value, mask.reshape(mask.ne[0], 1, 1, n), scale, softcap, sinks),
+                       value_projection)  # (v_head_dim, heads, 1, n): each row's projection a product of its own
+        return out.reshape(out.ne[0], heads, n)
     q = query.packed().reshape(d, 1, heads, n)
     k = key.permute(0, 2, 1, 3)  # (head_dim, history, kv_heads)
     if not permuted_v:
@@ -96,24 +102,12 @@ def _attend(
 ) -> Tensor:
     """One sequence: query (head_dim, heads, n) against its history -> (v_head_dim, heads, n)."""
     q = query.permute(0, 2, 1, 3)  # (head_dim, n, heads)
-    k = key.permute(0, 2, 1, 3)  # (head_dim, history, kv_heads)
     if ctx.backend.flash_attention:
         if permuted_v:
             raise ValueError("flash attention needs a cache that stores V untransposed (permuted_v=False)")
-        if mask is not None and mask.dtype != DType.F16:
-            mask = mask.cast(DType.F16)
-        v = value.permute(0, 2, 1, 3)
-        # An encoder's keys and values come straight from the layer (no cache), in F32: llama.cpp casts them
-        # to F16 for the fused kernel, so do we (0 instead of 6e-4 apart on BERT embeddings)
-        if k.dtype == DType.F32:
-            k = k.cast(DType.F16)
-        if v.dtype == DType.F32:
-            v = v.cast(DType.F16)
-        out = q.flash_attention(k, v, mask, scale, softcap, sinks)  # (v_dim, heads, n)
-        if value_projection is None:
-            return out
-        return value_projection.matmul(out.permute(0, 2, 1, 3)).permute(0, 2, 1, 3).contiguous()
+        return _project(_flash(q, key, value, mask, scale, softcap, sinks), value_projection)
 
+    k = key.permute(0, 2, 1, 3)  # (head_dim, history, kv_heads)
     if not permuted_v:
         value = value.permute(1, 2, 0, 3).contiguous()  # (history, v_head_dim, kv_heads)
     scores = k.matmul_full_precision(q)  # (history, n, heads)
@@ -124,3 +118,26 @@ def _attend(
     if value_projection is not None:
         out = value_projection.matmul(out)
     return out.permute(0, 2, 1, 3).contiguous()
+
+
+def _flash(q: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, scale: float, softcap: float,
+           sinks: Tensor | None) -> Tensor:
+    """ggml's fused kernel: q (head_dim, n_q, heads[, m]) against key/value (head_dim, kv_heads, history[, m])
+    -> (v_head_dim, heads, n_q[, m])."""
+    if mask is not None and mask.dtype != DType.F16:
+        mask = mask.cast(DType.F16)
+    k, v = key.permute(0, 2, 1, 3), value.permute(0, 2, 1, 3)  # (head_dim, history, kv_heads[, m])
+    # An encoder's keys and values come straight from the layer (no cache), in F32: llama.cpp casts them
+    # to F16 for the fused kernel, so do we (0 instead of 6e-4 apart on BERT embeddings)
+    if k.dtype == DType.F32:
+        k = k.cast(DType.F16)
+    if v.dtype == DType.F32:
+        v = v.cast(DType.F16)
+    return q.flash_attention(k, v, mask, scale, softcap, sinks)
+
+
+def _project(out: Tensor, value_projection: Tensor | None) -> Tensor:
+    """(v_head_dim, heads, n[, m]) through each head's own matrix, where the model has one (MLA's attn_v_b)."""
+    if value_projection is None:
+        return out
+    return value_projection.matmul(out.permute(0, 2, 1, 3)).permute(0, 2, 1, 3).contiguous()

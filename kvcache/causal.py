@@ -61,6 +61,8 @@ Layout = tuple[tuple[int, int, int, bool, int], ...]
 graph built for a batch depends on."""
 
 
+FLASH_SPLIT_HISTORY = 512  # ggml's CPU flash attention splits a lone row's history this long between threads
+
 _MASK_VALUES = {t: np.array([-np.inf, 0], dtype=t) for t in (np.float16, np.float32)}  # indexed by visibility
 
 
@@ -98,7 +100,7 @@ def _together(spans: list[_Span]) -> list[_Span]:
     return spans
 
 
-def _stacked(spans: list[_Span]) -> list[_Span]:
+def _stacked(spans: list[_Span], shorter_than: float = math.inf) -> list[_Span]:
     """Runs of one-row spans of different sequences (decode steps) whose histories lie alike in their regions (the
     same length, at a regular distance), as one span apart: attention computes them in one set of products, each row
     in a slice of its own as a one-row batch computes it, so each sequence gets what it gets alone, instead of one
@@ -106,7 +108,7 @@ def _stacked(spans: list[_Span]) -> list[_Span]:
     out: list[_Span] = []
     for span in spans:
         last = out[-1] if out else None
-        if (last is not None and span.count == 1 and not span.apart and span.length == last.length
+        if (last is not None and span.count == 1 and not span.apart and span.length == last.length < shorter_than
                 and span.begin == last.begin + last.count and (last.stride or (last.count == 1 and not last.apart))):
             stride = span.start - last.start - last.stride * (last.count - 1)  # from the last row's history
             if stride > 0 and (last.count == 1 or stride == last.stride):
@@ -264,14 +266,21 @@ class Causal:
                 for span in spans:  # give back the cells of the sequences placed before
                     self._used[locs[span.begin : span.begin + span.count]] = False
                 raise
-        # not with flash attention: ggml's CPU kernel splits a lone query row's history of 512 cells or more
-        # between its threads, and a stacked op's rows would be summed in another order than alone
-        if not reserve and not self._backend.flash_attention and len(spans) > 1:
-            spans = _stacked(spans)
+        if not reserve and len(spans) > 1 and (shorter_than := self._stack_limit()):
+            spans = _stacked(spans, shorter_than)
         self._batch, self._reserve, self._except = batch, reserve, None
         self._locs, self._spans = locs, spans
         self._masks = self._build_masks()
         return self.layout
+
+    def _stack_limit(self) -> float:
+        """The histories whose decode rows stack (0: none). With flash attention, ggml's CPU kernel splits a lone
+        query row's history of 512 cells or more between its threads (ops.cpp, use_split_kv_path), where a stacked
+        row's is summed by one thread: only shorter histories stack, and only where the CPU computes attention
+        (a GPU's fused kernels are chosen by other shapes)."""
+        if not self._backend.flash_attention:
+            return math.inf
+        return FLASH_SPLIT_HISTORY if self._backend.cpu_only else 0
 
     @property
     def layout(self) -> Layout:

@@ -144,14 +144,14 @@ def test_multi_sequence_batches_match_llama_cpp(smollm2_path, flash):
 # ---------------------------------------------------------------- decode rows of several sequences stacked
 
 
-def decode_four(path: Path) -> tuple[list, list]:
+def decode_four(path: Path, flash: bool = False) -> tuple[list, list]:
     """Four sequences' prompts, then three decode steps of all four in one batch: the steps' logits and layouts."""
     import numpy as np
 
     from ollama_engine.kvcache import Batch
 
-    loaded = open_model(str(path), LoadParams(parallel=4, batch_size=64, kv_size=2048, num_threads=THREADS),
-                        allocate=True)
+    loaded = open_model(str(path), LoadParams(parallel=4, batch_size=64, kv_size=2048, num_threads=THREADS,
+                                              flash_attention=flash), allocate=True)
     try:
         loaded.model.backend.load()
         graphs = loaded.model.graphs
@@ -170,19 +170,29 @@ def decode_four(path: Path) -> tuple[list, list]:
         loaded.close()
 
 
-@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
-def test_decode_rows_stacked_compute_what_separate_segments_compute(model, smollm2_path, gemma3_path, monkeypatch):
+@pytest.mark.parametrize("flash", [False, True], ids=["matmul", "flash"])
+@pytest.mark.parametrize("model", ["smollm2", "gemma3", "deepseek2"])
+def test_decode_rows_stacked_compute_what_separate_segments_compute(model, flash, smollm2_path, gemma3_path,
+                                                                    tmp_path, monkeypatch):
     """Four sequences' decode rows attend in one set of products, each in a slice of its own (kvcache.causal's
-    stacking): bitwise what one set of products per sequence computes (Gemma 3: its sliding-window cache too)."""
+    stacking): bitwise what one set of products per sequence computes (Gemma 3: its sliding-window cache too;
+    a synthetic DeepSeek V3: MLA's value inside the key, and each row's value projection).
+    With flash attention the histories here (256 cells, padded) are under the 512 at which ggml's CPU kernel
+    splits a lone row's between its threads: they stack too."""
     import numpy as np
 
     import ollama_engine.kvcache.causal as causal
 
-    path = {"smollm2": smollm2_path, "gemma3": gemma3_path}[model]
-    stacked, layouts = decode_four(path)
+    if model == "deepseek2":
+        from synthetic.models import write_synthetic
+
+        path = write_synthetic(tmp_path / "deepseek2.gguf", "deepseek2", weight_type="F16")
+    else:
+        path = {"smollm2": smollm2_path, "gemma3": gemma3_path}[model]
+    stacked, layouts = decode_four(path, flash)
     assert all("(4, 0," in str(layout) for layout in layouts), layouts  # one segment of four rows per cache
-    monkeypatch.setattr(causal, "_stacked", lambda spans: spans)
-    separate, layouts = decode_four(path)
+    monkeypatch.setattr(causal, "_stacked", lambda spans, shorter_than: spans)
+    separate, layouts = decode_four(path, flash)
     assert all("(4, 0," not in str(layout) for layout in layouts), layouts
     for a, b in zip(stacked, separate, strict=True):
         np.testing.assert_array_equal(a, b)

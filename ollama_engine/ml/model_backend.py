@@ -386,10 +386,15 @@ class Backend:
         self.scheduler = ggml_backend.Scheduler(self._backends, compute_buffer_types, self.max_graph_nodes,
                                                 op_offload=self.op_offload)
 
+    @property
+    def cpu_only(self) -> bool:
+        """Every graph computes on the CPU (no GPU holds a layer)."""
+        return self.compute_devices == [self.cpu]
+
     def fills_cpus(self) -> bool:
         """Whether every graph computes on the CPU alone with a thread on each CPU this process may use: then
         any other thread that runs during a compute takes a core from one of ggml's (whose barriers wait for it)."""
-        return self.compute_devices == [self.cpu] and self.num_threads >= default_threads()
+        return self.cpu_only and self.num_threads >= default_threads()
 
     def _cpu_compute_buffer_type(self):
         """Beside a GPU, the first GPU's pinned host memory, as llama.cpp's: the activations that cross between

@@ -345,16 +345,18 @@ class Tensor:
         self, key: Tensor, value: Tensor, mask: Tensor | None, scale: float, softcap: float = 0.0,
         sinks: Tensor | None = None,
     ) -> Tensor:
-        """Fused attention; q (d, n_q, heads), k/v (d, n_kv, kv_heads) -> (d_v, heads, n_q).
+        """Fused attention; q (d, n_q, heads[, m]), k/v (d, n_kv, kv_heads[, m]) -> (d_v, heads, n_q[, m]).
 
         softcap > 0 caps the scores as softcap * tanh(scores / softcap) before the softmax (Gemma 2);
         sinks as softmax's.
         """
         q, k, v = self.ne, key.ne, value.ne
-        if q[0] != k[0] or k[1] != v[1] or q[2] % k[2] or k[2] != v[2]:
+        if q[0] != k[0] or k[1] != v[1] or q[2] % k[2] or k[2] != v[2] or not q[3] == k[3] == v[3]:
             raise ShapeError(f"flash_attention: q {self.shape}, k {key.shape}, v {value.shape}")
-        if mask is not None and (mask.dtype != DType.F16 or mask.ne[0] != k[1] or mask.ne[1] < q[1]):
-            raise ShapeError(f"flash_attention: mask {mask.shape} ({mask.dtype.name}) needs F16 ({k[1]}, >={q[1]})")
+        if mask is not None and (mask.dtype != DType.F16 or mask.ne[0] != k[1] or mask.ne[1] < q[1]
+                                 or q[2] % mask.ne[2] or q[3] % mask.ne[3] or not ggml.is_contiguous(mask.handle)):
+            raise ShapeError(f"flash_attention: mask {mask.shape} ({mask.dtype.name}) needs F16 ({k[1]}, >={q[1]}), "
+                             f"contiguous, its heads and slices dividing the query's {q[2]}, {q[3]}")
         _check_sinks(sinks, q[2], "flash_attention")
         ctx = self._graph(key, value, mask, sinks)
         handle = ops.flash_attn_ext(
