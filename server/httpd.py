@@ -57,9 +57,12 @@ class Response:
         self.status, self.body, self.content_type = status, body, content_type
         self.headers = headers or {}
 
-    def head(self, length: int | None) -> bytes:
+    def head(self, length: int | None, close: bool = False) -> bytes:
+        """The status line and headers; `close`: the connection closes after this answer (the client is told)."""
         lines = [f"HTTP/1.1 {self.status} {reason(self.status)}", f"Content-Type: {self.content_type}"]
         lines += [f"{name}: {value}" for name, value in self.headers.items()]
+        if close:
+            lines.append("Connection: close")
         lines.append(f"Date: {time.strftime('%a, %d %b %Y %H:%M:%S GMT', time.gmtime())}")
         lines.append("Transfer-Encoding: chunked" if length is None else f"Content-Length: {length}")
         return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
@@ -75,7 +78,7 @@ class StreamResponse(Response):
 
     async def prepare(self, request: Request) -> None:
         self._connection = request.connection
-        self._connection.write(self.head(None))
+        self._connection.write(self.head(None, close=not request.keep_alive))
 
     async def write(self, data: bytes) -> None:
         """One chunk; waits while the client's socket buffer is full. ConnectionResetError once it has gone."""
@@ -295,7 +298,7 @@ class Connection(asyncio.Protocol):
                 response.end()
             else:
                 body = b"" if request.method == "HEAD" else response.body
-                self.write(response.head(len(response.body)) + body)
+                self.write(response.head(len(response.body), close=not request.keep_alive) + body)
         except (ConnectionResetError, asyncio.CancelledError):
             self._close()
             return
@@ -328,7 +331,7 @@ class Connection(asyncio.Protocol):
 
     def _close_with(self, response: Response) -> None:
         with contextlib.suppress(ConnectionResetError):
-            self.write(response.head(len(response.body)) + response.body)
+            self.write(response.head(len(response.body), close=True) + response.body)
         self._close()
 
     def _close(self) -> None:

@@ -110,6 +110,7 @@ def test_one_connection_answers_requests_in_turn_and_pipelined():
     assert connections == 1  # kept alive for the next request
     assert heads(pipelined) == ["HTTP/1.1 200 OK"] * 4
     assert pipelined.count(b'"head": "abc"') == 3 and pipelined.endswith(b'{"status":0}\n')
+    assert pipelined.count(b"Connection: close\r\n") == 1  # the last answer's, whose request asked to close
 
 
 def test_chunked_bodies_and_expect_continue():
@@ -174,7 +175,7 @@ def test_a_stream_is_chunked_and_an_http10_client_is_closed_after_its_answer():
 
     lines, encoding, old = serving(test)
     assert lines == [{"n": 0}, {"n": 1}, {"n": 2}] and encoding == "chunked"
-    assert heads(old) == ["HTTP/1.1 200 OK"] and old.endswith(b'{"status":0}\n')
+    assert heads(old) == ["HTTP/1.1 200 OK"] and old.endswith(b'{"status":0}\n') and b"Connection: close\r\n" in old
 
 
 def test_a_handler_is_cancelled_when_its_client_goes_away():
