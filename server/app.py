@@ -51,11 +51,6 @@ log = logging.getLogger(__name__)
 MAX_BODY = 1 << 30  # Go's server has no limit; prompts with images can be large
 
 
-def text_error(status: int, message: str) -> Response:
-    """Go's http.Error."""
-    return text_response(status, message)
-
-
 def json_response(value: Any) -> Response:
     return Response(body=encode(value))
 
@@ -152,7 +147,7 @@ class RunnerServer:
         try:
             infos = await asyncio.to_thread(self._gpu_infos)
         except Exception as err:
-            return text_error(500, f"failed to initialize backend: {err}")
+            return text_response(500, f"failed to initialize backend: {err}")
         return json_response(infos)
 
     def _gpu_infos(self) -> list[dict[str, Any]]:
@@ -176,11 +171,11 @@ class RunnerServer:
     async def load(self, request: Request) -> Response:
         async with self.load_lock:
             if self.status != ServerStatus.LAUNCHED:
-                return text_error(500, "model already loaded")
+                return text_response(500, "model already loaded")
             try:
                 req = LoadRequest.from_json(await request.read())
             except WireError:
-                return text_error(400, "bad request")
+                return text_response(400, "bad request")
             if req.operation == LoadOperation.CLOSE:
                 self._close_model()
                 return json_response(load_response(False, BackendMemory()))
@@ -195,7 +190,7 @@ class RunnerServer:
                     log.info("insufficient memory: %s", err)
                     return json_response(load_response(False, err.memory))
                 except Exception as err:
-                    return text_error(500, f"failed to initialize model: {err}")
+                    return text_response(500, f"failed to initialize model: {err}")
 
             memory = self.loaded.memory
             response = json_response(load_response(True, memory))
@@ -244,16 +239,16 @@ class RunnerServer:
         try:
             req = CompletionRequest.from_json(await request.read())
         except WireError:
-            return text_error(400, "Bad request")
+            return text_response(400, "Bad request")
         await self.ready.wait()
         runner, slots = self.runner, self.slots
         assert runner is not None and slots is not None
         try:
             seq = await asyncio.to_thread(runner.new_sequence, req.prompt, req.options, req.grammar, req.images)
         except (InputTooLongError, GrammarError, ImageError) as err:
-            return text_error(400, str(err))
+            return text_response(400, str(err))
         except Exception as err:
-            return text_error(500, f"Failed to create new sequence: {err}")
+            return text_response(500, f"Failed to create new sequence: {err}")
 
         await slots.acquire()
         if self._inbox is None:
@@ -268,7 +263,7 @@ class RunnerServer:
                 cached = seq.num_prompt_inputs - len(seq.inputs)
         except Exception as err:
             slots.release()
-            return text_error(500, str(err))
+            return text_response(500, str(err))
 
         response = StreamResponse()
         try:
@@ -306,11 +301,11 @@ class RunnerServer:
         loaded = self.loaded
         assert loaded is not None
         if not supports_embeddings(loaded.model):
-            return text_error(501, "this model does not support embeddings")
+            return text_response(501, "this model does not support embeddings")
         try:
             content = embedding_content(await request.read())
         except WireError as err:
-            return text_error(400, f"bad request: {err}")
+            return text_response(400, f"bad request: {err}")
         return await self._pooled(lambda: embed(loaded.model, content, loaded.input_cache.num_ctx))
 
     async def rerank(self, request: Request) -> Response:
@@ -320,11 +315,11 @@ class RunnerServer:
         loaded = self.loaded
         assert loaded is not None
         if not supports_rerank(loaded.model):
-            return text_error(501, "this model does not support reranking")
+            return text_response(501, "this model does not support reranking")
         try:
             query, document = rerank_pair(await request.read())
         except WireError as err:
-            return text_error(400, f"bad request: {err}")
+            return text_response(400, f"bad request: {err}")
         return await self._pooled(lambda: rerank(loaded.model, query, document, loaded.input_cache.num_ctx))
 
     async def _pooled(self, compute: Callable[[], Embedding]) -> Response:
@@ -337,9 +332,9 @@ class RunnerServer:
             try:
                 result = await asyncio.wrap_future(self.runner.submit_compute(compute))
             except InputTooLongError as err:
-                return text_error(400, str(err))
+                return text_response(400, str(err))
             except Exception as err:
-                return text_error(500, f"Failed to create new sequence: {err}")
+                return text_response(500, f"Failed to create new sequence: {err}")
         return json_response({
             "embedding": [Float32(x) for x in result.vector.tolist()], "prompt_eval_count": result.prompt_eval_count,
         })

@@ -144,6 +144,8 @@ class Connection(asyncio.Protocol):
         self._arm_idle()
         if self._task is None:
             self._next_request()
+        elif len(self._buffer) > MAX_HEAD and self.transport is not None:
+            self.transport.pause_reading()  # pipelined past the answer in progress: read on after it
 
     def eof_received(self) -> bool:
         return False  # a client that has stopped sending gets no more answers: close
@@ -313,7 +315,10 @@ class Connection(asyncio.Protocol):
             self._task = None
         if not request.keep_alive:
             self._close()
-        elif self._buffer:
+            return
+        if self.transport is not None and not self.transport.is_reading():
+            self.transport.resume_reading()
+        if self._buffer:
             self._next_request()
         self._arm_idle()
 

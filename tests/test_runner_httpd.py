@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 
@@ -41,6 +42,7 @@ class App:
         return response
 
     async def wait(self, request: Request) -> Response:
+        self.waiting = request.connection
         self.started.set()
         try:
             await asyncio.Event().wait()
@@ -188,6 +190,21 @@ def test_a_handler_is_cancelled_when_its_client_goes_away():
         return app.cancelled.is_set()
 
     assert serving(test)
+
+
+def test_what_is_pipelined_behind_a_long_answer_is_not_read_without_bound():
+    async def test(app, port):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /wait HTTP/1.1\r\nContent-Length: 0\r\n\r\n")
+        await app.started.wait()
+        writer.write(b"x" * (8 << 20))  # far more than the socket buffers hold: the client must block
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(writer.drain(), 2)
+        held = len(app.waiting._buffer)
+        writer.transport.abort()
+        return held
+
+    assert serving(test) < httpd.MAX_HEAD + (1 << 20)  # read up to the limit, plus what one read brings
 
 
 def test_a_handler_that_fails_answers_500_and_the_server_goes_on():
