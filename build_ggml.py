@@ -310,6 +310,9 @@ static ggml_backend_buffer_type_t cpu_cache_line_buffer_type(void) {
 # again (a reserve after a measure, or computed again after another graph) would start from those stale copies
 # (a half-offloaded 8B's reserve then laid the CPU's attention out where the measure had put it on the GPU:
 # 250 MB against 10); so the sources a graph was built with are kept and put back before each split.
+# Likewise its allocation: ggml's allocator leaves a tensor that has memory where it is, and after another graph
+# the compute buffers may have moved (grown: freed and made anew), so the tensors the scheduler allocates are
+# given no memory again, as built, before each split.
 GRAPH_SOURCES = """
 static size_t graph_source_slots(struct ggml_cgraph * graph) {
     return (size_t) ggml_graph_n_nodes(graph) * GGML_MAX_SRC;
@@ -326,6 +329,35 @@ static void graph_restore_sources(struct ggml_cgraph * graph, struct ggml_tensor
     for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
         struct ggml_tensor * node = ggml_graph_node(graph, i);
         for (int j = 0; j < GGML_MAX_SRC; j++) node->src[j] = saved[(size_t) i * GGML_MAX_SRC + j];
+    }
+}
+
+static size_t remember_unallocated(struct ggml_tensor * t, struct ggml_tensor ** out, size_t n) {
+    for (; t != NULL; t = t->view_src) {  /* a view and what it views */
+        if (t->data == NULL && t->buffer == NULL) {
+            if (out != NULL) out[n] = t;
+            n++;
+        }
+    }
+    return n;
+}
+
+/* The tensors of the graph with no memory as built (the scheduler's to allocate: nodes, inputs, their views),
+   into out (NULL: only counted); duplicates are harmless. */
+static size_t graph_unallocated(struct ggml_cgraph * graph, struct ggml_tensor ** out) {
+    size_t n = 0;
+    for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
+        struct ggml_tensor * node = ggml_graph_node(graph, i);
+        n = remember_unallocated(node, out, n);
+        for (int j = 0; j < GGML_MAX_SRC; j++) n = remember_unallocated(node->src[j], out, n);
+    }
+    return n;
+}
+
+static void graph_forget_allocation(struct ggml_tensor ** tensors, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        tensors[i]->data = NULL;
+        tensors[i]->buffer = NULL;
     }
 }
 """
@@ -360,7 +392,9 @@ def compile_bindings(tree: Path, libraries: list[str]) -> None:
     ffi.cdef("void abort_with_error_prefix(void);")
     ffi.cdef("size_t graph_source_slots(struct ggml_cgraph *);\n"
              "void graph_save_sources(struct ggml_cgraph *, struct ggml_tensor **);\n"
-             "void graph_restore_sources(struct ggml_cgraph *, struct ggml_tensor **);")
+             "void graph_restore_sources(struct ggml_cgraph *, struct ggml_tensor **);\n"
+             "size_t graph_unallocated(struct ggml_cgraph *, struct ggml_tensor **);\n"
+             "void graph_forget_allocation(struct ggml_tensor **, size_t);")
     if RPC_HEADER in headers:  # the protocol version, for checking a server before ggml connects to it
         ffi.cdef("#define RPC_PROTO_MAJOR_VERSION ...\n#define RPC_PROTO_MINOR_VERSION ...\n"
                  "#define RPC_PROTO_PATCH_VERSION ...")

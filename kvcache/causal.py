@@ -39,6 +39,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -66,9 +67,8 @@ FLASH_SPLIT_HISTORY = 512  # ggml's CPU flash attention splits a lone row's hist
 _MASK_VALUES = {t: np.array([-np.inf, 0], dtype=t) for t in (np.float16, np.float32)}  # indexed by visibility
 
 
-@dataclass(frozen=True)
-class _Span:
-    """One sequence's rows of the prepared batch and the history cells they attend to."""
+class _Span(NamedTuple):
+    """One sequence's rows of the prepared batch and the history cells they attend to (a tuple: made per step)."""
 
     begin: int  # first batch row
     count: int
@@ -270,8 +270,9 @@ class Causal:
             spans = _stacked(spans, shorter_than)
         self._batch, self._reserve, self._except = batch, reserve, None
         self._locs, self._spans = locs, spans
+        self._layout = tuple(span[1:] for span in spans)  # _Span without its first row
         self._masks = self._build_masks()
-        return self.layout
+        return self._layout
 
     def _stack_limit(self) -> float:
         """The histories whose decode rows stack (0: none). With flash attention, ggml's CPU kernel splits a lone
@@ -285,7 +286,7 @@ class Causal:
     @property
     def layout(self) -> Layout:
         self._require_batch()
-        return tuple((span.count, span.start, span.length, span.apart, span.stride) for span in self._spans)
+        return self._layout
 
     def bind(self, ctx: Context) -> None:
         """Create the batch's cell-index and mask inputs in ctx, or refill them if ctx already has them."""
@@ -546,18 +547,19 @@ class Causal:
             offset = int(used.argmin())
             if used[offset]:
                 raise CacheFullError(f"could not find a kv cache slot (cache: {self._region} batch: 1)")
-            offsets = np.array([offset], dtype=np.int32)
+            offsets = None
         else:
             offsets = np.flatnonzero(~used)[:count].astype(np.int32)
             if len(offsets) < count:
                 raise CacheFullError(f"could not find a kv cache slot (cache: {self._region} batch: {count})")
-        if count == 1:
-            pos[offsets[0]] = first
-            used[offsets[0]] = True
+        if offsets is None:
+            pos[offset] = first
+            used[offset] = True
+            locs[begin] = offset + cells.start
         else:
             pos[offsets] = positions
             used[offsets] = True
-        locs[begin : begin + count] = offsets + cells.start
+            locs[begin : begin + count] = offsets + cells.start
         visible = used if self._window is None else used & (pos >= first - self._window)
         low = int(visible.argmax())  # argmax, not flatnonzero(): cheaper with cold caches
         high = len(visible) - int(visible[::-1].argmax())
@@ -602,16 +604,20 @@ class Causal:
             else:
                 history = slice(span.start, span.start + span.length)
             cell_pos = self._pos[history]
-            positions = batch.positions[span.begin : span.begin + span.count, None]
+            # one row (a decode step): its position and flag as scalars, cheaper than broadcasting
+            single = span.count == 1 and not span.stride
+            rows = span.begin if single else np.s_[span.begin : span.begin + span.count, None]
+            positions = batch.positions[rows]
             causal = cell_pos <= positions
             if self._except is not None:
-                causal |= self._except[span.begin : span.begin + span.count, None]
+                causal |= self._except[rows]
             visible = causal & self._used[history]
             if self._chunk is not None:
                 visible &= cell_pos >= positions - positions % self._chunk
             if self._window is not None:
                 visible &= cell_pos >= positions - self._window
-            masks.append(_MASK_VALUES[dtype][visible.view(np.uint8)])  # cheaper than np.where per decoded token
+            mask = _MASK_VALUES[dtype][visible.view(np.uint8)]  # cheaper than np.where per decoded token
+            masks.append(mask.reshape(span.count, span.length))
         return masks
 
     def _cell_views(

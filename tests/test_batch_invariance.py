@@ -146,7 +146,6 @@ def test_multi_sequence_batches_match_llama_cpp(smollm2_path, flash):
 
 def decode_four(path: Path, flash: bool = False) -> tuple[list, list]:
     """Four sequences' prompts, then three decode steps of all four in one batch: the steps' logits and layouts."""
-    import numpy as np
 
     from ollama_engine.kvcache import Batch
 
@@ -163,8 +162,13 @@ def decode_four(path: Path, flash: bool = False) -> tuple[list, list]:
         for step in range(3):
             batch = Batch(tokens=[200 + 10 * step + seq for seq in range(4)], sequences=range(4), outputs=range(4),
                           positions=[len(prompt) + step for prompt in prompts])
-            logits.append(np.array(graphs.compute(batch)))
-            layouts.append(graphs._current.key[0])
+            graph = graphs.acquire(batch)
+            try:
+                graph.bind(batch)
+                logits.append(graph.run())
+                layouts.append(graph.key[0])
+            finally:
+                graphs.release(graph)
         return logits, layouts
     finally:
         loaded.close()

@@ -12,6 +12,7 @@ from synthetic.models import write_synthetic
 from ollama_engine.kvcache import Batch
 from ollama_engine.ml import Backend, DType
 from ollama_engine.models import load_model
+from ollama_engine.models.graphs import KEPT_GRAPHS
 
 THREADS = 1
 
@@ -80,7 +81,7 @@ def test_a_reused_graph_keeps_its_compute_buffers(tiny):
         model.close()
 
 
-def test_a_different_shape_builds_a_new_graph_and_retires_the_old_one_when_released(tiny):
+def test_a_different_shape_builds_a_new_graph_and_keeps_the_old_one_for_its_shape(tiny):
     model = open_model(tiny)
     try:
         first_batch = Batch(positions=[0, 1, 2], sequences=[0] * 3, outputs=[2], tokens=[1, 2, 3])
@@ -89,17 +90,64 @@ def test_a_different_shape_builds_a_new_graph_and_retires_the_old_one_when_relea
         # the next batch is formed while the first is still in flight (the runner's pipeline)
         second = model.graphs.acquire(Batch(positions=[3], sequences=[0], outputs=[0], tokens=[4]))
         assert second is not first
-        assert not first.ctx._closed  # still in use
         first.run()
         model.graphs.release(first)
-        assert first.ctx._closed
         second.bind(Batch(positions=[3], sequences=[0], outputs=[0], tokens=[4]))
         second.run()
         model.graphs.release(second)
-        assert not second.ctx._closed  # current: kept for the next batch of its shape
+        assert not first.ctx._closed and not second.ctx._closed  # both kept for later batches of their shapes
+        model.cache.remove(0, 0)
+        again = Batch(positions=[0, 1, 2], sequences=[0] * 3, outputs=[2], tokens=[1, 2, 3])
+        assert model.graphs.acquire(again) is first  # a prompt of that shape again: no new build
+        model.graphs.release(first)
     finally:
         model.close()
-    assert second.ctx._closed
+    assert first.ctx._closed and second.ctx._closed
+
+
+def test_graphs_beyond_the_kept_ones_are_retired_least_recently_used_first_once_released(tiny):
+    model = open_model(tiny)
+    try:
+        in_flight = model.graphs.acquire(Batch(positions=[0], sequences=[0], outputs=[0], tokens=[1]))
+        graphs = []
+        for rows in range(2, KEPT_GRAPHS + 3):  # prompts of other lengths: a graph each
+            model.cache.remove(0, 0)
+            graphs.append(model.graphs.acquire(Batch(positions=range(rows), sequences=[0] * rows, outputs=[rows - 1],
+                                                     tokens=[1] * rows)))
+            model.graphs.release(graphs[-1])
+        assert not in_flight.ctx._closed  # retired, but still in use
+        model.graphs.release(in_flight)
+        assert in_flight.ctx._closed
+        assert [graph.ctx._closed for graph in graphs] == [True] + [False] * KEPT_GRAPHS
+    finally:
+        model.close()
+
+
+def test_a_kept_graph_computed_after_a_larger_one_grew_the_compute_buffers(tiny):
+    """A decode graph, then another sequence's long prompt (its graph needs larger compute buffers: ggml frees and
+    makes them anew), then the decode graph again: allocated afresh, not where the old buffers were (ggml keeps a
+    tensor that has memory where it is: this crashed), and its logits those of a model that saw no prompt between."""
+    busy, quiet = open_model(tiny, sequences=2), open_model(tiny, sequences=2)
+    try:
+        results = []
+        for model in (busy, quiet):
+            model.graphs.compute(Batch(positions=range(4), sequences=[0] * 4, outputs=[3], tokens=[5, 6, 7, 8]))
+            decode = model.graphs.acquire(Batch(positions=[4], sequences=[0], outputs=[0], tokens=[9]))
+            model.graphs.release(decode)
+            model.graphs.compute(Batch(positions=[4], sequences=[0], outputs=[0], tokens=[9]))
+            if model is busy:
+                sizes = model.backend.scheduler.buffer_sizes()
+                model.graphs.compute(Batch(positions=range(60), sequences=[1] * 60, outputs=range(60), tokens=[3] * 60))
+                assert model.backend.scheduler.buffer_sizes() > sizes  # the buffers grew: made anew
+            batch = Batch(positions=[5], sequences=[0], outputs=[0], tokens=[10])
+            assert model.graphs.acquire(batch) is decode  # kept
+            decode.bind(batch)
+            results.append(decode.run())
+            model.graphs.release(decode)
+        np.testing.assert_array_equal(results[0], results[1])
+    finally:
+        busy.close()
+        quiet.close()
 
 
 def test_batches_of_several_sequences_reuse_a_graph_with_their_own_masks(tiny):

@@ -244,11 +244,11 @@ def write_bytes(t, data, offset: int = 0) -> None:
 
 def read(t) -> np.ndarray:
     """The tensor's contents as a new numpy array (numpy shape = reversed ggml shape)."""
-    ggml_type = GGMLType(t.type)
+    dtype = NUMPY_TYPES.get(t.type)  # per decoded token (the logits): no enum conversion
     if not is_contiguous(t):
         raise ValueError("read() needs a contiguous tensor; make it contiguous in the graph first")
-    if ggml_type in NUMPY_TYPES:
-        out = np.empty(tuple(reversed(shape(t))), dtype=NUMPY_TYPES[ggml_type])
+    if dtype is not None:
+        out = np.empty(tuple(reversed(shape(t))), dtype=dtype)
     else:
         out = np.empty(nbytes(t), dtype=np.uint8)
     lib.ggml_backend_tensor_get(t, ffi.from_buffer(out), 0, out.nbytes)

@@ -452,18 +452,26 @@ class Scheduler:
         )
         if self.handle == NULL:
             raise RuntimeError("ggml_backend_sched_new failed")
-        self._sources: dict[int, object] = {}  # graph address -> the sources its nodes were built with
+        self._sources: dict[int, tuple] = {}  # graph address -> its nodes' sources as built, its unallocated tensors
 
     def _as_built(self, graph) -> None:
-        """The graph with the sources it was built with, before ggml splits it (build_ggml.GRAPH_SOURCES: a split
-        points them at the copies of the last split), and the scheduler reset, as a first split finds it."""
+        """The graph as built, before ggml splits it (build_ggml.GRAPH_SOURCES): the sources its nodes were built
+        with (a split points them at the copies of the last split), no memory for the tensors the scheduler
+        allocates (an earlier allocation's may lie where the compute buffers were before another graph grew them),
+        and the scheduler reset, as a first split finds it."""
         key = int(ffi.cast("uintptr_t", graph))
         saved = self._sources.get(key)
         if saved is None:
-            self._sources[key] = saved = ffi.new("struct ggml_tensor *[]", lib.graph_source_slots(graph))
-            lib.graph_save_sources(graph, saved)
+            sources = ffi.new("struct ggml_tensor *[]", lib.graph_source_slots(graph))
+            lib.graph_save_sources(graph, sources)
+            count = lib.graph_unallocated(graph, NULL)
+            unallocated = ffi.new("struct ggml_tensor *[]", max(count, 1))
+            lib.graph_unallocated(graph, unallocated)
+            self._sources[key] = (sources, unallocated, count)
         else:
-            lib.graph_restore_sources(graph, saved)
+            sources, unallocated, count = saved
+            lib.graph_restore_sources(graph, sources)
+            lib.graph_forget_allocation(unallocated, count)
         lib.ggml_backend_sched_reset(self.handle)
 
     def forget(self, graph) -> None:

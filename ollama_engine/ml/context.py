@@ -155,11 +155,12 @@ class Context:
             if named is None:
                 raise KeyError(f"this context has no graph input named {tensor!r}")
             tensor = named
-        if tensor.handle not in self._inputs:
+        current = self._inputs.get(tensor.handle)
+        if current is None:
             raise KeyError(f"{tensor!r} is not a graph input of this context")
         raw = np.ascontiguousarray(values).view(np.uint8).reshape(-1)
-        if raw.nbytes != tensor.nbytes:
-            raise ShapeError(f"{raw.nbytes} bytes of data for input {tensor!r} of {tensor.nbytes} bytes")
+        if raw.nbytes != current.nbytes:  # the values it was created with had its size (per decoded token: no C call)
+            raise ShapeError(f"{raw.nbytes} bytes of data for input {tensor!r} of {current.nbytes} bytes")
         self._inputs[tensor.handle] = raw
 
     def input_values(self) -> dict[str, bytes]:

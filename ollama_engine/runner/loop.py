@@ -77,6 +77,8 @@ class BatchState:
     graph: Graph | None = None
     drafts: dict[int, list[int]] = field(default_factory=dict)
     """Per sequence index, the drafted tokens it verifies in this batch (after its sampled token)."""
+    rows: dict[int, range] = field(default_factory=dict)
+    """Per sequence index, its rows in the batch (a sequence's rows are consecutive)."""
     compute_started: threading.Event = field(default_factory=threading.Event)
 
 
@@ -365,6 +367,7 @@ class Runner:
                         break  # an image is decoded alone, as llama.cpp's mtmd decodes it: its rows see no later text
                 seq.inputs = seq.inputs[len(seq.pending_inputs):]
                 added = len(state.inputs) - first_row
+                state.rows[index] = range(first_row, first_row + added)
                 if multimodal_rope and added:  # from the text position after the sequence's earlier inputs
                     start = text_position(slot.inputs, seq.pending_inputs[: len(seq.pending_inputs) - added])
                     rope.append(rope_positions(start, state.inputs[first_row:]))
@@ -389,6 +392,8 @@ class Runner:
         Cutting a prompt where other sequences leave room would give its tokens other batch shapes than
         when it runs alone, and ggml's results depend (slightly) on the shapes.
         """
+        if len(seq.inputs) == 1:
+            return 1  # a decode step's token (the loop below takes one input in every case)
         taken, limit = 0, self.batch_size
         assert seq.slot is not None
         cap = self.cache.chunk_limit(len(seq.slot.inputs) + len(seq.pending_inputs))
@@ -465,8 +470,7 @@ class Runner:
                     continue
                 assert seq.slot is not None
                 if self.cache.exact and seq.pending_inputs:
-                    rows = np.flatnonzero(state.batch.sequences == seq.slot.id)
-                    self.cache.record_rows(seq.slot, len(seq.slot.inputs), rows.tolist(), len(state.batch))
+                    self.cache.record_rows(seq.slot, len(seq.slot.inputs), state.rows[index], len(state.batch))
                     if index in state.drafts:  # generated, never a cold run's: not reused as a prompt
                         del seq.slot.kernels[len(seq.slot.inputs):]
                 seq.slot.inputs.extend(seq.pending_inputs)
@@ -536,6 +540,8 @@ class Runner:
     def _queue_drafts(self, waiting: dict[int, tuple[int, int]]) -> None:
         """The next inputs of the sequences that waited for this step: the sampled token and its drafts, drafted
         together (a draft model's sequences in one batch)."""
+        if not waiting:
+            return
         asking = [index for index, (_, k) in waiting.items() if k > 0]
         specs = {index: self.seqs[index].spec for index in waiting}
         drafts = dict(zip(asking, draft_all([(specs[i].drafter, waiting[i][1]) for i in asking]), strict=True))
