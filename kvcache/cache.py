@@ -132,6 +132,10 @@ class Cache(Protocol):
     def bind(self, ctx: Context) -> None:
         """Give ctx the mask and cell-index inputs of the prepared batch."""
 
+    def repeat(self, ctx: Context) -> bool:
+        """Place the prepared batch of decode steps again, each row one position on, in place (ctx's inputs too,
+        ctx bound last); False, with nothing changed, where prepare() must place the next batch."""
+
     def start_forward(self, ctx: Context, batch: Batch, reserve: bool = False) -> None:
         """prepare() then bind(); reserve sizes a worst-case graph without touching the bookkeeping."""
 

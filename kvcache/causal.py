@@ -213,6 +213,7 @@ class Causal:
         self._layer = 0
         self._batch: Batch | None = None
         self._bound: _Bound | None = None  # the inputs of the context bound last
+        self._repeatable = False  # repeat() may place the prepared batch again (see there)
 
     def close(self) -> None:
         if self._backend is not None:
@@ -271,6 +272,7 @@ class Causal:
         self._batch, self._reserve, self._except = batch, reserve, None
         self._locs, self._spans = locs, spans
         self._layout = tuple(span[1:] for span in spans)  # _Span without its first row
+        self._repeatable = not reserve
         self._masks = self._build_masks()
         return self._layout
 
@@ -308,6 +310,39 @@ class Causal:
             ctx.bindings[self] = bound
         self._bound = bound
 
+    def repeat(self, ctx: Context) -> bool:
+        """Place the prepared batch again, each row one position on: its positions, cell indices and masks changed
+        in place, here and in ctx's inputs (ctx: the context bound last). For decode steps (one row per sequence),
+        in the cells and with the layout prepare() would give them, so a graph computes the next step with nothing
+        built or bound anew but its tokens (models.Graphs.repeat). False, with nothing changed, where prepare() must
+        place it: a sliding window or chunks (cells leave the masks), the cache changed since (a removal, a copy, a
+        shift), a sequence with several rows, a history growing past its padded length, a full region."""
+        bound = self._bound
+        if (not self._repeatable or self._window is not None or self._chunk is not None or self._memory is not None
+                or bound is None or bound.serial != ctx.serial or bound.layout != self._layout):
+            return False
+        sequences = self._batch.sequences
+        placed = []  # (span, row in it, cell, first cell of its history)
+        for k, span in enumerate(self._spans):
+            if span.count > 1 and not span.stride:
+                return False
+            for i in range(span.count):
+                cells = self._cells_of(int(sequences[span.begin + i]))
+                cell = cells.start + int(self._used[cells].argmin())
+                first = span.start + span.stride * i
+                if self._used[cell] or not first <= cell < first + span.length:
+                    return False
+                placed.append((k, i, cell, first))
+        positions = self._batch.positions
+        for k, i, cell, first in placed:
+            row = self._spans[k].begin + i
+            positions[row] += 1
+            self._pos[cell] = positions[row]
+            self._used[cell] = True
+            self._locs[row] = bound.locs[row] = cell
+            self._masks[k][i, cell - first] = bound.masks[k][i, cell - first] = 0  # now seen
+        return True
+
     def set_causal(self, ctx: Context, except_indices: Sequence[int] = ()) -> None:
         """Let the listed batch entries see the whole batch (e.g. image tokens); reset by every prepare."""
         self._require_bound(ctx)
@@ -320,6 +355,7 @@ class Causal:
         if unchanged:
             return
         self._except = flags
+        self._repeatable = False
         self._masks = self._build_masks()
         for target, mask in zip(self._bound.masks, self._masks, strict=True):
             np.copyto(target, mask)
@@ -396,6 +432,7 @@ class Causal:
         The same relative cells keep the destination's attention identical to the source's.
         """
         self._require_init()
+        self._repeatable = False
         src, dst = self._cells_of(source), self._cells_of(destination)
         if source == destination:
             self._used[src] &= self._pos[src] < length
@@ -436,6 +473,7 @@ class Causal:
 
     def remove(self, seq: int, begin: int, end: int | None = None) -> None:
         self._require_init()
+        self._repeatable = False
         if begin < 0 or (end is not None and end < begin):
             raise ValueError(f"cannot remove positions [{begin}, {end}) of sequence {seq}")
         if not 0 <= seq < self._sequences:
@@ -611,7 +649,10 @@ class Causal:
             causal = cell_pos <= positions
             if self._except is not None:
                 causal |= self._except[rows]
-            visible = causal & self._used[history]
+            used = self._used[history]
+            visible = causal & used
+            if self._repeatable and not np.array_equal(visible, used):
+                self._repeatable = False  # a used cell it does not see (a later position): repeat() would show it
             if self._chunk is not None:
                 visible &= cell_pos >= positions - positions % self._chunk
             if self._window is not None:

@@ -187,6 +187,9 @@ class Recurrent:
     def _layout(self) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
         return tuple((begin, count, cuts) for (_, begin, count), cuts in zip(self._runs, self._splits, strict=True))
 
+    def repeat(self, ctx: Context) -> bool:
+        return False  # the state rows move at every step: each batch is prepared
+
     def bind(self, ctx: Context) -> None:
         self.causal.bind(ctx)
         layout = self._layout()

@@ -70,6 +70,9 @@ class Wrapper:
         for cache in self.caches:
             cache.bind(ctx)
 
+    def repeat(self, ctx: Context) -> bool:
+        return False  # a sliding-window cache's masks change at every step: each batch is prepared
+
     def put(self, ctx: Context, key: Tensor, value: Tensor) -> None:
         self.underlying().put(ctx, key, value)
 

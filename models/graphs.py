@@ -11,7 +11,8 @@ step a new build of the graph the previous request decoded with (2.6 ms on stori
 Use `graphs.compute(batch)` for one batch at a time. The runner's pipeline splits it up: `acquire` (on
 the thread that forms batches) places the batch in the cache and returns a graph, built if needed;
 `graph.bind(batch)`, `graph.run()` and `release(graph)` follow on the compute thread, which from then on
-computes every graph in place (ml/compute_threads.py).
+computes every graph in place (ml/compute_threads.py). A decode step that repeats the last one's shape, one
+position on, can skip the placing and binding: `repeat(graph, batch)`.
 """
 
 from __future__ import annotations
@@ -157,6 +158,20 @@ class Graphs:
             while len(self._kept) > KEPT_GRAPHS:
                 self._retire(self._kept.pop(next(iter(self._kept))))
         return graph
+
+    def repeat(self, graph: Graph, batch: Batch) -> bool:
+        """Acquire `graph` again for `batch`, the one it computed last, each row now one position on (decode steps),
+        where the cache places the rows in place (Cache.repeat): the graph's inputs, the batch's arrays and the
+        cache's, then hold the next step but its tokens, which the caller writes into batch.tokens (a graph input),
+        and no bind is needed. False, with nothing changed: acquire the next batch."""
+        model = self.model
+        if graph.key is None or graph.retired or model.cache is None or model.batch_inputs(batch):
+            return False  # batch_inputs: computed from the positions by bind()
+        with self._lock:
+            if graph.retired or not model.cache.repeat(graph.ctx):
+                return False
+            graph.users += 1
+        return True
 
     def release(self, graph: Graph) -> None:
         with self._lock:

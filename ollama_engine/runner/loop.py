@@ -79,6 +79,8 @@ class BatchState:
     """Per sequence index, the drafted tokens it verifies in this batch (after its sampled token)."""
     rows: dict[int, range] = field(default_factory=dict)
     """Per sequence index, its rows in the batch (a sequence's rows are consecutive)."""
+    bound: bool = False
+    """The graph's inputs hold the batch already (Runner._repeat): no bind."""
     compute_started: threading.Event = field(default_factory=threading.Event)
 
 
@@ -257,7 +259,7 @@ class Runner:
                 if previous is not None:
                     previous.compute_started.wait()
                 self._run_queued()
-                current = self._form_batch()
+                current = self._repeat(previous) or self._form_batch()
                 if current is None:
                     return
                 with self.cond:
@@ -269,6 +271,36 @@ class Runner:
                 previous = current
         except BaseException as err:
             self.on_fatal(err)
+
+    def _repeat(self, previous: BatchState | None) -> BatchState | None:
+        """The next batch formed in place, where it repeats `previous` one position on: inline (nothing computes
+        meanwhile), every active sequence decoded a row of `previous` and has only the token it sampled to add
+        (no drafts, images or context shift), and the cache can place the rows where they are
+        (models.Graphs.repeat). What _form_batch would form, without forming, placing or binding it anew: on a
+        model whose compute is negligible that was most of a step's Python. None: form it."""
+        batch = previous.batch if previous is not None and self.inline else None
+        if batch is None or previous.graph is None or previous.drafts or len(previous.rows) != len(batch) \
+                or len(batch.outputs) != len(batch) or batch.embeddings or batch.rope_positions is not None:
+            return None
+        with self.cond:
+            if self.closing or self._queued or sum(seq is not None for seq in self.seqs) != len(previous.rows):
+                return None
+            for index, rows in previous.rows.items():
+                seq = self.seqs[index]
+                if (seq is None or seq is not previous.seqs[index] or len(seq.inputs) != 1 or seq.spec is not None
+                        or seq.inputs[0].multimodal is not None or seq.quit.is_set()
+                        or len(seq.slot.inputs) != batch.positions[rows.start] + 1
+                        or len(seq.slot.inputs) + 1 > self.num_ctx):
+                    return None
+            if not self.model.graphs.repeat(previous.graph, batch):
+                return None
+            state = BatchState(seqs=list(self.seqs), batch=batch, graph=previous.graph, rows=previous.rows, bound=True)
+            for index in previous.rows:  # in row order
+                seq = self.seqs[index]
+                state.inputs.append(seq.inputs[0])
+                seq.pending_inputs.append(seq.inputs[0])
+                seq.inputs = []
+            return state
 
     def _awaiting_drafts(self) -> bool:
         """Whether a speculating sequence's next inputs come from the batch being computed. The next batch then
@@ -425,7 +457,8 @@ class Runner:
             return
         try:
             placeholders = self._advance(state)
-            state.graph.bind(state.batch)
+            if not state.bound:
+                state.graph.bind(state.batch)
             if len(state.batch.outputs) < len(state.batch) and self.stream_interval:  # a prompt's rows
                 with self.cond:
                     self._send_held(time.monotonic())
