@@ -23,7 +23,7 @@ PROMPTS = ["Once upon a time, there was a little girl named Lily. She", "The dog
 # ------------------------------------------------------------ through the runner
 
 
-def decode_all(stories_path, monkeypatch, repeat: bool, kv_size: int, num_predict: list[int]) -> tuple[list, int]:
+def decode_all(path, monkeypatch, repeat: bool, kv_size: int, num_predict: list[int]) -> tuple[list, int]:
     """Each prompt's text and logprobs, and the steps formed in place. The first two start together, the third
     joins once the first has sent 5 pieces (added from its sink, on the batch loop's thread: at the same step in
     every run), and they leave at their num_predict."""
@@ -35,7 +35,7 @@ def decode_all(stories_path, monkeypatch, repeat: bool, kv_size: int, num_predic
         return state
 
     monkeypatch.setattr(Runner, "_repeat", counted)
-    loaded = open_model(str(stories_path), LoadParams(parallel=4, batch_size=64, kv_size=kv_size, num_threads=2,
+    loaded = open_model(str(path), LoadParams(parallel=4, batch_size=64, kv_size=kv_size, num_threads=2,
                                                       flash_attention=False), allocate=True)
     try:
         loaded.model.backend.load()
@@ -67,13 +67,17 @@ def decode_all(stories_path, monkeypatch, repeat: bool, kv_size: int, num_predic
             for pieces in outputs], formed[0]
 
 
+@pytest.mark.parametrize("model", ["stories260K", "smollm2"])
 @pytest.mark.parametrize("kv_size, num_predict", [(2048, [300, 120, 200]), (512, [200, 60, 150])],
                          ids=["past-the-padding", "context-shift"])
-def test_steps_formed_in_place_give_what_steps_formed_anew_give(stories_path, monkeypatch, kv_size, num_predict):
+def test_steps_formed_in_place_give_what_steps_formed_anew_give(model, kv_size, num_predict, stories_path,
+                                                                 smollm2_path, monkeypatch):
     """Three sequences joining and leaving, histories growing past 256 cells (a new layout) and, with 128 cells a
-    slot, shifting their context: the same texts and logprobs, bitwise, and most steps formed in place."""
-    anew, none = decode_all(stories_path, monkeypatch, False, kv_size, num_predict)
-    in_place, formed = decode_all(stories_path, monkeypatch, True, kv_size, num_predict)
+    slot, shifting their context: the same texts and logprobs, bitwise, and most steps formed in place. On the real
+    TinyStories llama (F32) and SmolLM2-135M Q4_1 (from PyPI)."""
+    path = {"stories260K": stories_path, "smollm2": smollm2_path}[model]
+    anew, none = decode_all(path, monkeypatch, False, kv_size, num_predict)
+    in_place, formed = decode_all(path, monkeypatch, True, kv_size, num_predict)
     assert none == 0
     assert formed > max(num_predict) // 2, formed  # steps, of the sequences together
     for i, (expected, got) in enumerate(zip(anew, in_place, strict=True)):
@@ -109,6 +113,14 @@ def prompts(model) -> None:
     for seq, tokens in enumerate(([5, 6, 7, 8, 9], [10, 11, 12])):
         step(model, Batch(positions=range(len(tokens)), sequences=[seq] * len(tokens), outputs=[len(tokens) - 1],
                           tokens=tokens))
+
+
+def decoding(model) -> tuple[Batch, object]:
+    """Both prompts, then a decode step of the first sequence: the step's batch and graph."""
+    prompts(model)
+    batch = Batch(positions=[5], sequences=[0], outputs=[0], tokens=[1])
+    step(model, batch)
+    return batch, last_graph(model)
 
 
 def test_the_cache_places_a_repeated_step_as_prepare_would(synthetic_model):
@@ -149,10 +161,7 @@ def test_the_cache_places_a_repeated_step_as_prepare_would(synthetic_model):
 def test_a_repeat_is_refused_where_prepare_must_place_the_batch(synthetic_model):
     model = open_tiny(synthetic_model("llama"))
     try:
-        prompts(model)
-        batch = Batch(positions=[5], sequences=[0], outputs=[0], tokens=[1])
-        step(model, batch)
-        graph = last_graph(model)
+        batch, graph = decoding(model)
         assert model.graphs.repeat(graph, batch)  # the usual case
         model.graphs.release(graph)
         model.cache.remove(1, 0)  # the cache changed since
@@ -177,10 +186,7 @@ def test_a_repeat_is_refused_where_prepare_must_place_the_batch(synthetic_model)
 def test_a_sliding_window_cache_is_always_prepared(synthetic_model):
     model = open_tiny(synthetic_model("gemma3"))
     try:
-        prompts(model)
-        batch = Batch(positions=[5], sequences=[0], outputs=[0], tokens=[1])
-        step(model, batch)
-        graph = last_graph(model)
+        batch, graph = decoding(model)
         assert not model.graphs.repeat(graph, batch)
     finally:
         model.close()
