@@ -190,3 +190,63 @@ def test_a_sliding_window_cache_is_always_prepared(synthetic_model):
         assert not model.graphs.repeat(graph, batch)
     finally:
         model.close()
+
+
+# ------------------------------------------------------------ against llama.cpp
+
+
+@pytest.mark.reference
+def test_steps_formed_in_place_match_llama_cpp_on_real_smollm2(smollm2_path, monkeypatch):
+    """Two sequences decoding together through the runner, most steps formed in place: every token's logprob
+    within 1e-4 of llama.cpp's, which decodes each sequence alone (prompt, then token by token), and the same
+    greedy tokens (SmolLM2-135M Q4_1's rows are rounded as alone: batched == solo)."""
+    from llama_reference import Reference, log_softmax
+
+    formed = [0]
+
+    def counted(self, previous):
+        state = FORM_IN_PLACE(self, previous)
+        formed[0] += state is not None
+        return state
+
+    monkeypatch.setattr(Runner, "_repeat", counted)
+    loaded = open_model(str(smollm2_path), LoadParams(parallel=2, batch_size=64, kv_size=1024, num_threads=2,
+                                                      flash_attention=False), allocate=True)
+    runs = []
+    try:
+        loaded.model.backend.load()
+        runner = Runner(loaded, lambda err: pytest.fail(f"runner failed: {err}"), inline=True, stream_interval=0)
+        done = [threading.Event() for _ in PROMPTS[:2]]
+        logprobs: list[list[dict]] = [[], []]
+        for i, prompt in enumerate(PROMPTS[:2]):
+            seq = runner.new_sequence(prompt, SequenceOptions(sampler=Sampler(temperature=0), logprobs=True,
+                                                              num_predict=40))
+            runner.add(seq, lambda piece, i=i: done[i].set() if piece is None else logprobs[i].extend(piece.logprobs))
+            runs.append(seq)
+        runner.start()
+        try:
+            assert all(event.wait(120) for event in done)
+        finally:
+            runner.close()
+        # the slot holds the prompt and every generated token but the last (never computed)
+        histories = [[inp.token for inp in seq.slot.inputs] for seq in runs]
+        prompt_lengths = [seq.num_prompt_inputs for seq in runs]
+    finally:
+        loaded.close()
+    assert formed[0] > 20
+    for history, length, got in zip(histories, prompt_lengths, logprobs, strict=True):
+        reference = Reference(smollm2_path, n_ctx=512, n_batch=64)
+        try:
+            rows = [reference.decode(history[:length], range(length), [0] * length, [length - 1])[0]]
+            rows += [reference.decode([token], [position], [0], [0])[0]
+                     for position, token in enumerate(history[length:], start=length)]
+        finally:
+            reference.close()
+        generated = history[length:]
+        assert len(got) == len(generated) + 1
+        for k, (row, entry) in enumerate(zip(rows, got, strict=False)):
+            expected = log_softmax(row)
+            token = int(row.argmax())
+            if k < len(generated):
+                assert token == generated[k], f"step {k}: greedy tokens differ"
+            assert abs(float(expected[token]) - entry["logprob"]) < 1e-4, f"step {k}"
