@@ -92,6 +92,29 @@ def test_ping_and_completions_share_one_connection() -> None:
     asyncio.run(_with_server(body))
 
 
+def test_a_runner_that_just_answered_is_not_pinged_again() -> None:
+    """ping(fresh=s): a healthy answer or a completion line within s seconds proves the runner alive, with no
+    round trip (the scheduler's check before reusing a runner); older, or fresh=0 (the health monitor): asked.
+    A runner that has exited fails however recently it answered."""
+    async def body(fake: FakeRunner, llama: LlamaServer, _: web.AppRunner) -> None:
+        await llama.ping(fresh=60)  # never answered: asked
+        await llama.ping(fresh=60)  # just answered: not asked
+        assert len(fake.ports) == 1
+        await llama.ping()
+        assert len(fake.ports) == 2
+        assert [c async for c in llama.completion("hi", {"num_predict": 2})][-1]["done"]
+        await llama.ping(fresh=60)  # the completion's lines were answers
+        assert len(fake.ports) == 3
+        await asyncio.sleep(0.2)
+        await llama.ping(fresh=0.1)  # older than the window: asked
+        assert len(fake.ports) == 4
+        llama.close()
+        with pytest.raises(RunnerFailedError):
+            await llama.ping(fresh=60)
+
+    asyncio.run(_with_server(body))
+
+
 def test_parallel_completions_each_get_a_connection() -> None:
     async def body(fake: FakeRunner, llama: LlamaServer, _: web.AppRunner) -> None:
         async def one() -> list[dict]:

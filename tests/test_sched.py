@@ -106,7 +106,7 @@ class MockLlm:
             raise LoadRequiredFullError()
         return [gpu.device_id for gpu in gpus]
 
-    async def ping(self) -> None:
+    async def ping(self, fresh: float = 0.0) -> None:
         if self.ping_hangs:
             await asyncio.sleep(3600)
         if self.ping_resp is not None:

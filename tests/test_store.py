@@ -32,6 +32,7 @@ from ollama_engine.store import (
     parse_name,
     parse_name_bare,
 )
+from ollama_engine.store.disk import Manifest
 from ollama_engine.store.names import is_valid_namespace, is_valid_part, name_from_parts
 from ollama_engine.store.store import file_type_name
 from ollama_engine.template.gojson import Float32
@@ -299,6 +300,26 @@ def test_resolve(store: Store, gguf_digest: str) -> None:
         store.resolve("missing")
     with pytest.raises(InvalidName):
         store.resolve("bad/name/with/too/many")
+
+
+def test_a_lookup_reads_one_manifest(store: Store, gguf_digest: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Spelled as stored, a name's lookup reads its own manifest only (every request looks its model up; a
+    store of many models used to be read whole each time); spelled otherwise, the stored spelling is found."""
+    for name in ("alpha", "Beta", "gamma:7b"):
+        create(store, gguf_digest, name=name)
+    reads: list[Path] = []
+    original = Manifest.from_bytes
+
+    def counted(data: bytes, path: Path | None = None) -> Manifest:
+        reads.append(path)
+        return original(data, path)
+
+    monkeypatch.setattr(Manifest, "from_bytes", counted)
+    assert str(store.lookup("Beta")[0]) == "registry.ollama.ai/library/Beta:latest"
+    assert [p.parts[-2:] for p in reads] == [("Beta", "latest")]
+    reads.clear()
+    assert str(store.lookup("GAMMA:7B")[0]) == "registry.ollama.ai/library/gamma:7b"
+    assert [p.parts[-2:] for p in reads] == [("gamma", "7b")]
 
 
 @pytest.mark.parametrize(("kwargs", "error", "message"), [

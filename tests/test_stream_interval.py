@@ -7,8 +7,10 @@ first token is never held, and no token waits behind a prompt's batch.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -102,14 +104,53 @@ def test_a_prompt_batch_sends_what_the_interval_held(loaded):
     finally:
         runner.close()
     assert first_seq.num_predicted == 400
-    # without the flush before the second prompt's batch: 2 lines (the first token, then the rest at the end)
-    assert len(first.pieces) == 3
+    # the first token; the held text before the second prompt's batch; what went with the second's first token
+    # and with its last line (test_a_line_takes_the_other_streams_text_with_it); the rest at the end
+    assert len(first.pieces) == 5
     assert first.times[1] <= second.times[0], "the held text went out before the prompt's batch was computed"
+
+
+def test_a_line_takes_the_other_streams_text_with_it(loaded):
+    """A step that sends one sequence's line sends every other sequence's ready text with it: the reader (serve)
+    wakes once for all its streams, whose intervals then run in step, and no text is held any longer."""
+    runner = Runner(loaded, lambda err: pytest.fail(f"runner failed: {err}"), stream_interval=60.0)
+    step = [0]
+
+    @contextlib.contextmanager
+    def counted() -> Iterator[None]:  # wraps each step's sampling, where the lines are sent
+        step[0] += 1
+        yield
+
+    runner.hold_output = counted
+    steps: dict[str, list[int]] = {"first": [], "second": []}
+    streams = {name: Stream() for name in steps}
+
+    def sink(name: str):
+        def record(piece: Piece | None) -> None:
+            if piece is not None:
+                steps[name].append(step[0])
+            streams[name](piece)
+        return record
+
+    runner.start()
+    try:
+        first = runner.new_sequence(PROMPT, SequenceOptions(sampler=Sampler(temperature=0), num_predict=200))
+        runner.add(first, sink("first"))
+        assert streams["first"].first.wait(60)
+        second = runner.new_sequence("Tom had a red ball. One day", SequenceOptions(sampler=Sampler(temperature=0),
+                                                                                    num_predict=5))
+        runner.add(second, sink("second"))
+        assert streams["second"].done.wait(120) and streams["first"].done.wait(120)
+    finally:
+        runner.close()
+    assert len(steps["second"]) == 2  # its first token, then the rest as it ends
+    assert set(steps["second"]) <= set(steps["first"]), (steps, "the first's text went with each of the second's lines")
 
 
 @pytest.mark.parametrize(("value", "seconds"), [(None, envconfig.DEFAULT_STREAM_INTERVAL), ("5ms", 0.005),
                                                 ("0", 0.0), ("2", envconfig.MAX_STREAM_INTERVAL),
-                                                ("-1", envconfig.MAX_STREAM_INTERVAL), ("soon", 0.010)])
+                                                ("-1", envconfig.MAX_STREAM_INTERVAL),
+                                                ("soon", envconfig.DEFAULT_STREAM_INTERVAL)])
 def test_the_interval_from_the_environment(value, seconds):
     env = {} if value is None else {"OLLAMA_ENGINE_STREAM_INTERVAL": value}
     assert envconfig.stream_interval(env) == pytest.approx(seconds)

@@ -214,7 +214,10 @@ class ChatRoutes:
         prepared = Prepared(entry, None, opts, keep_alive, think, raw=bool(body.get("raw")))
         if not prompt and not body.get("suffix"):
             return prepared
-        text = await off_loop(lambda: generate_prompt(entry, body, think, level))
+        if prepared.raw:  # as given (its images numbered): nothing to render, no hop to the template thread
+            text = body.get("prompt") or ""
+        else:
+            text = await off_loop(lambda: generate_prompt(entry, body, think, level))
         context = body.get("context")
         if context:
             if not isinstance(context, list) or not all(isinstance(t, int) for t in context):

@@ -149,10 +149,8 @@ async def check_format(extra: Mapping[str, Any]) -> None:
 
 
 def generate_prompt(entry: Entry, body: Mapping[str, Any], think: bool | None, think_level: str) -> str:
-    """/api/generate's prompt: raw as given, or the user prompt (with system / template / suffix) rendered."""
+    """/api/generate's prompt, not raw: the user prompt (with system / template / suffix) rendered."""
     prompt = body.get("prompt") or ""
-    if body.get("raw"):
-        return prompt
     template = entry.go_template
     if body.get("template"):
         try:

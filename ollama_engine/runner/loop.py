@@ -111,6 +111,8 @@ class Runner:
         """A sequence's tokens sampled within this many seconds of its last line go out together in the next line
         (README, OLLAMA_ENGINE_STREAM_INTERVAL): one write and one wake-up of the reader for several tokens where
         decoding is faster than the interval; 0 sends each token as it comes."""
+        self.lines_out = 0
+        """Lines handed to the sinks so far: a step that sent one sends every other sequence's ready text with it."""
         inline = loaded.model.backend.fills_cpus() if inline is None else inline  # None: chosen by the CPUs
         self._compute = None if inline else ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self._queued: collections.deque[tuple[Callable[[], object], Future]] = collections.deque()
@@ -223,6 +225,7 @@ class Runner:
         assert seq is not None and seq.slot is not None
         seq.output.seal()
         self._flush(seq)
+        self.lines_out += 1  # the last line
         if seq.spec is not None and seq.spec.drafted:
             log.info("speculation: %d of %d drafted tokens accepted (%.0f%%) in %d steps, %d tokens generated",
                      seq.spec.accepted, seq.spec.drafted, 100 * seq.spec.acceptance, seq.spec.steps,
@@ -241,6 +244,7 @@ class Runner:
             return False
         seq.sink(Piece(text, logprobs))
         seq.sent_at = now
+        self.lines_out += 1
         return True
 
     def _send_held(self, now: float) -> None:
@@ -470,6 +474,7 @@ class Runner:
                 self.step_cost.record(len(state.batch), time.monotonic() - started)
             now = time.monotonic()
             with self.cond, self.hold_output():
+                lines_out = self.lines_out
                 waiting: dict[int, tuple[int, int]] = {}
                 for index, (placeholder, row) in placeholders.items():
                     seq = self.seqs[index]
@@ -478,6 +483,8 @@ class Runner:
                         if wait is not None:
                             waiting[index] = wait
                 self._queue_drafts(waiting)
+                if self.lines_out != lines_out:  # the reader wakes for this step's lines: the others' go with them,
+                    self._send_held(now)  # and the streams' intervals then run in step (one wake-up for all)
                 self.cond.notify()  # a speculating sequence may have its next inputs now
                 sampling = time.monotonic() - now
                 for index in placeholders:

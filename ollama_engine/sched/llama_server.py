@@ -17,8 +17,10 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
@@ -70,6 +72,7 @@ class LlamaServer:
         self._session: aiohttp.ClientSession | None = None  # made at the first request, in the event loop
         self._requests = 0  # requests using the session now
         self._session_done = False  # the runner is gone: close the session once no request uses it
+        self._answered_at = -math.inf  # time.monotonic() of the runner's last healthy answer or completion line
         threading.Thread(target=self._watch, name=f"runner-{handle.process.pid}", daemon=True).start()
 
     @classmethod
@@ -206,16 +209,21 @@ class LlamaServer:
     def _stopped(self) -> RunnerFailedError:
         return RunnerFailedError(f"llama runner process no longer running: {self.exit_reason()}")
 
-    async def ping(self) -> None:
-        """Raise unless the runner answers /health with a healthy status."""
+    async def ping(self, fresh: float = 0.0) -> None:
+        """Raise unless the runner answers /health with a healthy status. `fresh`: seconds within which a
+        healthy answer or a completion line already proves it alive (no round trip: a runner streaming tokens
+        is not asked again with every request that reuses it)."""
         if self.has_exited():
             raise self._stopped()
+        if time.monotonic() - self._answered_at < fresh:
+            return
         async with self._client() as session, session.get(
             self._url + "/health", timeout=aiohttp.ClientTimeout(total=10)
         ) as response:
             data = await response.json(content_type=None)
         if response.status != 200 or ServerStatus(data["status"]) in (ServerStatus.ERROR,):
             raise RunnerFailedError(f"runner status {data!r}")
+        self._answered_at = time.monotonic()
 
     async def completion(
         self, prompt: str, options: Mapping[str, Any], extra: Mapping[str, Any] | None = None
@@ -233,6 +241,7 @@ class LlamaServer:
                     raise StatusError(response.status, (await response.text()).strip())
                 async for line in response.content:
                     if line.strip():
+                        self._answered_at = time.monotonic()
                         yield json.loads(line)
         except aiohttp.ClientConnectorError as err:
             raise RunnerFailedError(RUNNER_STOPPED) from err

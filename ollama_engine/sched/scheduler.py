@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MODELS_PER_GPU = 3
 PING_TIMEOUT = 10.0
 PING_TIMEOUT_LOADING = 120.0
+PING_FRESH = 1.0  # a runner that answered this recently is not pinged again before reuse (Ollama pings always)
 VRAM_POLL_INTERVAL = 0.25
 GIB = 1 << 30
 
@@ -505,7 +506,7 @@ class Scheduler:
             return "runner was unloaded"
         try:
             timeout = PING_TIMEOUT_LOADING if runner.loading else PING_TIMEOUT
-            await asyncio.wait_for(runner.llama.ping(), timeout)
+            await asyncio.wait_for(runner.llama.ping(fresh=PING_FRESH), timeout)
         except Exception as err:
             return f"runner did not answer: {err or type(err).__name__}"
         return None

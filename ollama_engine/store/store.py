@@ -171,24 +171,30 @@ class Store:
     def manifests(self) -> dict[Name, Manifest]:
         """Every readable manifest under manifests/*/*/*/* (bad ones are skipped, as Ollama does)."""
         out: dict[Name, Manifest] = {}
-        if not self.manifests_dir.is_dir():
-            return out
-        for path in sorted(self.manifests_dir.glob("*/*/*/*")):
-            if not path.is_file():
-                continue
-            name = name_from_parts(path.relative_to(self.manifests_dir).parts)
-            if name is None:
-                continue
+        for name, path in self._manifest_files():
             try:
                 out[name] = Manifest.from_bytes(path.read_bytes(), path)
             except (OSError, ValueError, TypeError):
                 continue
         return out
 
+    def _manifest_files(self) -> Iterator[tuple[Name, Path]]:
+        """The name and path of every file under manifests/*/*/*/*, sorted by path."""
+        if not self.manifests_dir.is_dir():
+            return
+        for path in sorted(self.manifests_dir.glob("*/*/*/*")):
+            name = name_from_parts(path.relative_to(self.manifests_dir).parts)
+            if name is not None and path.is_file():
+                yield name, path
+
     def existing_name(self, name: Name) -> Name:
-        """The name with each part spelled as an existing manifest spells it (lookup is case-insensitive)."""
+        """The name with each part spelled as an existing manifest spells it (lookup is case-insensitive).
+        A name spelled as stored is itself: every request's lookup reads one manifest, not the whole store."""
+        with contextlib.suppress(InvalidName):
+            if self.manifest_path(name).is_file():
+                return name
         host, namespace, model, tag = name.host, name.namespace, name.model, name.tag
-        for existing in self.manifests():
+        for existing, _ in self._manifest_files():
             if existing.host.lower() == host.lower():
                 host = existing.host
             if existing.namespace.lower() == namespace.lower():
