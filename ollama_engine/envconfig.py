@@ -22,7 +22,7 @@ DEFAULT_PORT = 11434
 DEFAULT_KEEP_ALIVE = 5 * 60.0
 DEFAULT_MAX_QUEUE = 512
 DEFAULT_LOAD_TIMEOUT = 5 * 60.0
-DEFAULT_STREAM_INTERVAL = 0.016  # a display frame at 60 Hz: a client redrawing per frame sees no difference
+DEFAULT_STREAM_INTERVAL = 0.033  # 30 lines a second at most per stream; each line wakes serve (bench/RESULTS.md)
 MAX_STREAM_INTERVAL = 1.0
 
 _UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -223,7 +223,7 @@ def spec_ngram(env: Mapping[str, str] | None = None) -> bool:
 
 
 def stream_interval(env: Mapping[str, str] | None = None) -> float:
-    """OLLAMA_ENGINE_STREAM_INTERVAL (ours; default 16ms, 0 sends every token on its own): how long the runner
+    """OLLAMA_ENGINE_STREAM_INTERVAL (ours; default 33ms, 0 sends every token on its own): how long the runner
     gathers tokens of a stream that decodes faster than that into one line. A duration ("5ms") or seconds."""
     value = _duration(os.environ if env is None else env, "OLLAMA_ENGINE_STREAM_INTERVAL", DEFAULT_STREAM_INTERVAL)
     return min(max(value, 0.0), MAX_STREAM_INTERVAL)
