@@ -606,13 +606,13 @@ def step_gpudiff(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def step_serve(args: argparse.Namespace) -> dict[str, Any]:
-    """bench/serve_bench.py on the 8B model: serve, its runner alone and llama-server, 1, 4 and 8 streams, one
-    round; with --spy under py-spy (every Python process's busy stacks, to <out>/serve-stacks.txt): it slows the
-    runners' start, so only when the stacks are the question."""
+    """bench/serve_bench.py on the 8B model: serve, the runner it loaded driven directly (the hop alone), a runner
+    alone and llama-server, 1, 4 and 8 streams, one round; with --spy under py-spy (every Python process's busy
+    stacks, to <out>/serve-stacks.txt): it slows the runners' start, so only when the stacks are the question."""
     path = model_paths(args)[SYNTHETIC_8B]
     out = Path("/tmp/device-check-serve.json")
     command = [sys.executable, str(HERE / "serve_bench.py"), "--model", str(path), "--llama-server",
-               str(llama_tool("llama-server")), "--streams", "1,4,8", "--concurrency-only", "--runner",
+               str(llama_tool("llama-server")), "--streams", "1,4,8", "--concurrency-only", "--runner", "--its-runner",
                "--rounds", "1", "--n-predict", "64", "--out", str(out)]
     spy = Path("/tmp/device-check-site/bin/py-spy")
     stacks = args.out / "serve-stacks.txt"

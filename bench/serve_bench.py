@@ -10,7 +10,9 @@ Measures, with `--slots` (4) sequences sharing each server's model:
     llama-server (ggml's compute threads), their other threads, serve and this client. Both servers run
     at once and take turns, in --rounds rounds with their order swapped each round (medians; the ratio
     is the median of the rounds' ratios), so that the machine's drift hits both alike; with --runner a runner
-    alone (no serve: Ollama's runner protocol straight from this client) takes its turn too;
+    alone (no serve: Ollama's runner protocol straight from this client) takes its turn too, and with
+    --its-runner the runner serve loaded, driven straight from this client (the hop alone: the same process
+    with and without serve in front of it);
   * the serve -> runner hop: single-stream decode speed and first-token time through serve against the
     same requests sent straight to a runner (loaded by fit -> alloc -> commit as serve's scheduler does);
   * multi-turn chat: the second turn's first-token time against the first's, on a ~2,000-token conversation
@@ -136,6 +138,19 @@ def runner_completion(handle) -> Callable[[str, int], Stream]:
     return run
 
 
+class RunnerPort:
+    """A runner someone else started (serve's), driven over Ollama's runner protocol from this client."""
+
+    def __init__(self, pid: int):
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        self.port = int(argv[argv.index(b"--port") + 1])
+
+    def completion(self, prompt: str, options: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        from ollama_engine.llm.runner_handle import completion_lines
+
+        return completion_lines(self.port, prompt, options)
+
+
 def thread_cpu(pid: int) -> dict[str, float]:
     """CPU seconds so far of each thread of a process (/proc schedstat: nanoseconds on a CPU)."""
     seconds = {}
@@ -242,6 +257,8 @@ def interleaved(servers: dict[str, tuple[Callable[[str, int], Stream], dict[str,
             results["ratios_runner"] = ratios("runner", "llama_server")
     if "runner" in rows:
         results["ratios_serve_runner"] = ratios("serve", "runner")
+    if "its_runner" in rows:
+        results["ratios_serve_its_runner"] = ratios("serve", "its_runner")
     return results
 
 
@@ -348,6 +365,8 @@ def main() -> int:
     parser.add_argument("--flash-attention", choices=("off", "on"), default="off")
     parser.add_argument("--runner", action="store_true",
                         help="also a runner alone (no serve) in the interleaved rounds (flash attention off only)")
+    parser.add_argument("--its-runner", action="store_true",
+                        help="also serve's own runner driven straight from this client in the interleaved rounds")
     parser.add_argument("--concurrency-only", action="store_true", help="skip the hop and the multi-turn chat")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the interleaved concurrency runs")
     parser.add_argument("--out", type=Path, default=HERE / "out" / "serve_bench.json")
@@ -378,6 +397,9 @@ def main() -> int:
             results["serve_loaded"] = [{k: m.get(k) for k in ("size", "size_vram", "context_length")}
                                        for m in json.loads(ps.read())["models"]]
         servers = {"serve": (generate, serve_pids())}
+        if args.its_runner:
+            runner_pid = servers["serve"][1]["runner"]
+            servers["its_runner"] = (runner_completion(RunnerPort(runner_pid)), {"runner": runner_pid})
         if args.runner:  # the runner alone, loaded as serve's scheduler loads it, driven over Ollama's protocol
             worker = WorkerArgs(engine="runner", task="single", model=str(args.model), prompts={}, threads=args.threads,
                                 t0=time.time(), gpu=loaded_on_gpu(results), streams=streams, verbose=False)

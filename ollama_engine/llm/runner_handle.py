@@ -239,14 +239,19 @@ class RunnerHandle:
 
     def completion(self, prompt: str, options: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
         """Stream /completion: one dict per line, the last with done=True."""
-        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
-        try:
-            body = {"Prompt": prompt, "Options": dict(options), "Shift": True, "Truncate": True}
-            connection.request("POST", "/completion", body=json.dumps(body).encode())
-            response = connection.getresponse()
-            if response.status != 200:
-                raise RunnerError(response.read().decode(errors="replace").strip())
-            while line := response.readline():
-                yield json.loads(line)
-        finally:
-            connection.close()
+        return completion_lines(self.port, prompt, options)
+
+
+def completion_lines(port: int, prompt: str, options: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
+    """/completion of the runner on loopback `port`: one dict per line, the last with done=True."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    try:
+        body = {"Prompt": prompt, "Options": dict(options), "Shift": True, "Truncate": True}
+        connection.request("POST", "/completion", body=json.dumps(body).encode())
+        response = connection.getresponse()
+        if response.status != 200:
+            raise RunnerError(response.read().decode(errors="replace").strip())
+        while line := response.readline():
+            yield json.loads(line)
+    finally:
+        connection.close()
