@@ -10,6 +10,18 @@ from pathlib import Path
 import numpy as np
 
 FLASH = {False: 0, True: 1}  # llama_flash_attn_type: disabled, enabled
+M_PERTURB = -6  # glibc's mallopt: each block malloc returns is filled with (byte ^ 0xff), each freed one with byte
+
+
+def zero_new_allocations(on: bool) -> None:
+    """From now on every block glibc's malloc returns is zeroed (or no longer). llama.cpp's pixtral graph reads an
+    uninitialised tensor (its [IMG_BREAK] rows are ggml_scale(x, 0) + the embedding): in a compute buffer recycled
+    from what this test process freed before, a NaN there made break rows NaN (and the logits after them), so the
+    reference's answer depended on the tests that ran first. Zeroed, it is llama.cpp's on a fresh process."""
+    try:
+        ctypes.CDLL(None).mallopt(M_PERTURB, 0xFF if on else 0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
 
 
 class MtmdReference:
@@ -22,6 +34,7 @@ class MtmdReference:
         from llama_cpp import mtmd_cpp
 
         self.lib, self.mtmd = llama_cpp, mtmd_cpp
+        zero_new_allocations(True)  # until close()
         llama_cpp.llama_backend_init()
         self.model = llama_cpp.llama_model_load_from_file(str(text_path).encode(),
                                                           llama_cpp.llama_model_default_params())
@@ -147,3 +160,4 @@ class MtmdReference:
         self.mtmd.mtmd_free(self.vctx)
         self.lib.llama_free(self.ctx)
         self.lib.llama_model_free(self.model)
+        zero_new_allocations(False)
